@@ -1,0 +1,226 @@
+"""GPT-2 in one file, in reading order: LayerNorm, CausalSelfAttention, MLP, Block, GPT.
+
+    from gpt2 import GPT, GPTConfig
+    model = GPT(GPTConfig.preset("gpt2"))            # random init
+    logits = model(idx)                              # (B, T) -> (B, T, vocab_size)
+    loss = model(idx, targets=targets)               # mean cross-entropy; targets == -100 are ignored
+
+It computes what the maintained Transformers GPT2LMHeadModel computes: pre-LN blocks, tanh-GELU,
+a final ln_f and an lm_head tied to wte. Parameter names are GPT-2's own (wte, wpe, h.{i}.ln_1,
+attn.c_attn, ...), so Hugging Face weights load with a transpose of the Conv1D matrices, never a rename.
+
+One `forward` serves training, full-sequence evaluation, prefill and decode. With a KV cache
+(kv_cache.py) the new tokens' positions continue from the cache; with an attention mask (left padding)
+the positions are cumsum(mask) - 1, as Transformers' generate computes them.
+
+Dropout sits at GPT-2's four places: after wte + wpe (embd_pdrop), on the attention probabilities
+(attn_pdrop), after attn.c_proj and after mlp.c_proj (resid_pdrop). train()/eval() alone switch it.
+
+This file never reads files and never imports torch.distributed: weights.py loads and saves,
+distributed.py wraps the model from outside.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gpt2.config import GPTConfig
+from gpt2.errors import ContextLengthError
+from gpt2.kv_cache import KVCache
+
+
+def new_gelu(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's GELU: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), fused by PyTorch."""
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATION_FUNCTIONS = {
+    "gelu_new": new_gelu,
+    "gelu_pytorch_tanh": new_gelu,
+    "gelu": F.gelu,
+    "relu": F.relu,
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig, layer_idx: int):
+        super().__init__()
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.layer_idx = layer_idx
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v for all heads at once
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.attn_dropout = nn.Dropout(config.attn_pdrop)
+        self.resid_dropout = nn.Dropout(config.resid_pdrop)
+        self.scale = (1.0 / math.sqrt(config.head_size)) if config.scale_attn_weights else 1.0
+        if config.scale_attn_by_inverse_layer_idx:
+            self.scale /= float(layer_idx + 1)
+        self.upcast = config.reorder_and_upcast_attn
+        # scaled_dot_product_attention computes the same function; the explicit path is kept for
+        # float32 upcasting and for tests that replay Transformers' dropout masks draw for draw.
+        self.use_sdpa = True
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, mask: torch.Tensor | None = None):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)  # (B, nh, P + T, hs), P = positions already cached
+
+        # mask: None means plain causal (top-left aligned, valid without a cache); otherwise a
+        # boolean (B or 1, 1, T, P + T) that is True where a query may attend to a key.
+        if self.use_sdpa and not self.upcast:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                dropout_p=self.attn_dropout.p if self.training else 0.0, scale=self.scale)
+        else:
+            y = self._explicit_attention(q, k, v, mask)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads merged
+        return self.resid_dropout(self.c_proj(y))
+
+    def _explicit_attention(self, q, k, v, mask):
+        T, S = q.size(2), k.size(2)
+        if self.upcast:
+            q, k = q.float(), k.float()
+        scores = (q @ k.transpose(-2, -1)) * self.scale  # (B, nh, T, S)
+        if mask is None:
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        probs = F.softmax(scores, dim=-1).to(v.dtype)
+        probs = self.attn_dropout(probs)
+        return probs @ v  # (B, nh, T, hs)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, config.mlp_width)
+        self.act = ACTIVATION_FUNCTIONS[config.activation_function]
+        self.c_proj = nn.Linear(config.mlp_width, config.n_embd)
+        self.dropout = nn.Dropout(config.resid_pdrop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig, layer_idx: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cache=None, mask=None):
+        x = x + self.attn(self.ln_1(x), cache, mask)
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig, vocab_multiple: int = 1):
+        """vocab_multiple > 1 pads wte's rows to a multiple (64 suits GEMM kernels); logits stay vocab_size wide."""
+        super().__init__()
+        self.config = config
+        self.padded_vocab_size = math.ceil(config.vocab_size / vocab_multiple) * vocab_multiple
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(self.padded_vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.n_positions, config.n_embd),
+            drop=nn.Dropout(config.embd_pdrop),
+            h=nn.ModuleList(Block(config, i) for i in range(config.n_layer)),
+            ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, self.padded_vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module):
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            torch.nn.init.zeros_(module.bias)
+        if isinstance(module, (CausalSelfAttention, MLP)):
+            # GPT-2 scales the residual projections by 1/sqrt(2 * n_layer): two per block.
+            torch.nn.init.normal_(module.c_proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
+        # nn.LayerNorm already starts at weight 1, bias 0.
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,
+                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                last_logits_only: bool = False) -> torch.Tensor:
+        """Logits (B, T, vocab_size), or the mean loss when targets (B, T) are given.
+
+        cache: continue from cache.pos and append this call's keys and values (prefill and decode).
+        attention_mask: (B, P + T), 1 for tokens and 0 for (left) padding, covering cached positions too.
+        position_ids: (B, T); by default they continue from the cache, or follow attention_mask.
+        last_logits_only: compute the lm_head for the last position only (prefill): logits (B, 1, V).
+        """
+        B, T = idx.shape
+        past = cache.pos if cache is not None else 0
+        if past + T > self.config.n_positions:
+            raise ContextLengthError(
+                f"sequence of {past + T} tokens exceeds the context length of {self.config.n_positions}")
+        if position_ids is None:
+            if attention_mask is not None:
+                position_ids = attention_mask.long().cumsum(-1) - 1
+                position_ids = position_ids.masked_fill(attention_mask == 0, 1)[:, -T:]  # (B, T)
+            else:
+                position_ids = torch.arange(past, past + T, device=idx.device).unsqueeze(0)  # (1, T)
+
+        x = self.transformer.wte(idx) + self.transformer.wpe(position_ids)  # (B, T, C)
+        x = self.transformer.drop(x)
+        mask = self._attention_mask(attention_mask, past, T, idx.device)
+        for block in self.transformer.h:
+            x = block(x, cache, mask)
+        if cache is not None:
+            cache.advance(T)  # the one place the cache position moves
+        x = self.transformer.ln_f(x)
+
+        if targets is None:
+            if last_logits_only:
+                x = x[:, -1:, :]
+            return self.lm_head(x)[..., : self.config.vocab_size]  # (B, T, V): padding columns never leak
+        logits = self.lm_head(x)[..., : self.config.vocab_size]
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100)
+
+    @staticmethod
+    def _attention_mask(attention_mask, past: int, T: int, device) -> torch.Tensor | None:
+        """None for plain causal attention from position 0; else a boolean (B or 1, 1, T, past + T)."""
+        if attention_mask is None and (past == 0 or T == 1):
+            return None  # causal from 0 (SDPA's is_causal), or one query that sees every cached key
+        S = past + T
+        query_pos = torch.arange(past, S, device=device).view(T, 1)
+        key_pos = torch.arange(S, device=device).view(1, S)
+        causal = key_pos <= query_pos  # (T, S)
+        if attention_mask is None:
+            return causal.view(1, 1, T, S)
+        if attention_mask.shape[-1] != S:
+            raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} positions, expected {S} (cached + new)")
+        keys = attention_mask.bool().view(-1, 1, 1, S)
+        # A padding query would see no key at all (NaN softmax); let every query see itself.
+        # Real tokens are unaffected: their own position is never padding.
+        return (causal & keys) | (key_pos == query_pos)
+
+    # --- conveniences --------------------------------------------------------------------------
+
+    def num_parameters(self) -> int:
+        """Parameters counted once (the tied lm_head is wte); padded vocabulary rows excluded."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - (self.padded_vocab_size - self.config.vocab_size) * self.config.n_embd
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, device=None, dtype=None, **kwargs) -> "GPT":
+        """Load a Hugging Face directory, a hub name (gpt2, openai-community/gpt2-xl, ...) or our checkpoint."""
+        from gpt2.weights import load_model
+        return load_model(name_or_path, device=device, dtype=dtype, **kwargs)
+
+    def save_pretrained(self, directory: str, tokenizer=None) -> str:
+        """Write a Hugging Face directory (config.json + model.safetensors) that transformers loads."""
+        from gpt2.weights import save_hf
+        return save_hf(self, directory, tokenizer=tokenizer)

@@ -1,0 +1,451 @@
+"""Weights in and out: Hugging Face directories, the hub, and our own checkpoints.
+
+    from gpt2 import GPT
+    model = GPT.from_pretrained("gpt2")                       # hub name -> openai-community/gpt2
+    model = GPT.from_pretrained("path/to/hf_dir", dtype=torch.bfloat16)
+    model.save_pretrained("out_dir")                          # transformers.GPT2LMHeadModel loads it
+    gpt2 convert runs/quickstart hf_dir                       # ours <-> Hugging Face, on the CLI
+
+Our parameter names are GPT-2's own, so Hugging Face's checkpoints map by name. The one difference is
+orientation: Transformers' GPT-2 stores its four projection matrices as Conv1D, (in, out), while we use
+nn.Linear, (out, in). The table below is therefore a single list of transposed keys, used in both
+directions. Old files may lack the "transformer." prefix (the official hub checkpoints do) or carry
+the attn.bias / attn.masked_bias mask buffers, which are skipped.
+
+Two on-disk layouts:
+  Hugging Face: config.json + model.safetensors (or a sharded index, or pytorch_model.bin)
+  ours:         gpt2.json (config and metadata) + model.safetensors in nn.Linear orientation
+
+Safetensors files are read with plain file reads into preallocated tensors, one tensor at a time, on a
+model built on the meta device: nothing is memory-mapped and no second copy of the weights exists, so
+peak memory stays near the size of the weights. pytorch_model.bin is read with weights_only=True: no
+code in a checkpoint is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+import tempfile
+from pathlib import Path
+
+import torch
+
+from gpt2.config import PRESETS, GPTConfig
+from gpt2.errors import CheckpointError, ConfigError
+from gpt2.model import GPT
+
+# Conv1D weights in Transformers, nn.Linear here: the only difference between the two layouts.
+TRANSPOSED = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+# Causal-mask buffers that old Transformers versions saved; they carry no learned values.
+SKIPPED = (".attn.bias", ".attn.masked_bias")
+TIED = "lm_head.weight"  # the same tensor as transformer.wte.weight
+
+HUB_ALIASES = {name: f"openai-community/{name}" for name in PRESETS}
+NATIVE_META = "gpt2.json"
+NATIVE_FORMAT = "gpt2-checkpoint"
+LATEST_POINTER = "LATEST"  # a training run directory names its newest checkpoint in this file
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def canonical_key(key: str) -> str:
+    """Our parameter name for a key from any supported file; the one place prefixes are stripped."""
+    key = key.replace("_orig_mod.", "")  # torch.compile wrapper
+    key = key.removeprefix("module.")    # DDP wrapper
+    if not key.startswith(("transformer.", "lm_head.")):
+        key = "transformer." + key       # files saved from GPT2Model rather than GPT2LMHeadModel
+    return key
+
+
+def is_transposed(key: str) -> bool:
+    return key.endswith(TRANSPOSED)
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors, read without memory-mapping
+# ---------------------------------------------------------------------------------------------
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class SafetensorsReader:
+    """Validates a .safetensors header up front, then reads one tensor at a time into fresh memory."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        try:
+            file_size = self.path.stat().st_size
+            with open(self.path, "rb") as f:
+                prefix = f.read(8)
+                if len(prefix) < 8:
+                    raise CheckpointError(f"{self.path}: truncated safetensors file ({file_size} bytes)")
+                (header_size,) = struct.unpack("<Q", prefix)
+                if header_size > min(file_size - 8, 100 * 2**20):
+                    raise CheckpointError(f"{self.path}: corrupt safetensors header (declares {header_size} bytes)")
+                header = json.loads(f.read(header_size))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{self.path}: corrupt safetensors header ({e})") from None
+        except OSError as e:
+            raise CheckpointError(f"{self.path}: cannot read ({e.strerror})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{self.path}: corrupt safetensors header (not a JSON object)")
+        self.metadata = header.pop("__metadata__", None) or {}
+        self.data_start = 8 + header_size
+        self.entries = {}
+        for name, entry in header.items():
+            try:
+                dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+                shape = [int(s) for s in entry["shape"]]
+                begin, end = (int(o) for o in entry["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{self.path}: corrupt or unsupported header entry for {name!r}") from None
+            nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            if end - begin != nbytes or begin < 0:
+                raise CheckpointError(f"{self.path}: tensor {name!r} has {end - begin} bytes, its shape needs {nbytes}")
+            if self.data_start + end > file_size:
+                raise CheckpointError(f"{self.path}: truncated: tensor {name!r} ends at byte {self.data_start + end}, "
+                                      f"the file has {file_size} bytes")
+            self.entries[name] = (dtype, shape, begin)
+
+    def keys(self):
+        return self.entries.keys()
+
+    def shape(self, name: str) -> list[int]:
+        return self.entries[name][1]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.entries[name][0]
+
+    def read(self, name: str) -> torch.Tensor:
+        dtype, shape, begin = self.entries[name]
+        tensor = torch.empty(shape, dtype=dtype)
+        if tensor.numel() == 0:
+            return tensor
+        buffer = tensor.view(-1).view(torch.uint8).numpy()
+        with open(self.path, "rb") as f:
+            f.seek(self.data_start + begin)
+            if f.readinto(buffer) != buffer.nbytes:
+                raise CheckpointError(f"{self.path}: truncated while reading {name!r}")
+        return tensor
+
+
+class TorchBinReader:
+    """pytorch_model.bin, loaded with weights_only=True (no arbitrary unpickling)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        try:
+            state = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # torch raises many types for corrupt zips and forbidden pickles
+            raise CheckpointError(f"{self.path}: not a loadable weights-only PyTorch checkpoint "
+                                  f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise CheckpointError(f"{self.path}: expected a dict of tensors")
+        self.state = state
+        self.metadata = {}
+
+    def keys(self):
+        return self.state.keys()
+
+    def shape(self, name):
+        return list(self.state[name].shape)
+
+    def dtype(self, name):
+        return self.state[name].dtype
+
+    def read(self, name):
+        return self.state[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# where the files are: local directories, our run directories, the hub
+# ---------------------------------------------------------------------------------------------
+
+def resolve_directory(name_or_path: str | os.PathLike) -> Path:
+    """A local directory holding the model: the path itself, a run's LATEST checkpoint, or a hub snapshot."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        path = path.parent  # model.safetensors or config.json given directly
+    if path.is_dir():
+        latest = path / LATEST_POINTER
+        if latest.is_file() and not (path / NATIVE_META).exists():
+            path = path / latest.read_text().strip()
+        if not ((path / NATIVE_META).exists() or (path / "config.json").exists()):
+            raise CheckpointError(f"{path}: no config.json (Hugging Face) or {NATIVE_META} (gpt2 checkpoint) here")
+        return path
+    name = str(name_or_path)
+    repo_id = HUB_ALIASES.get(name, name)
+    if str(name_or_path).startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+/[\w.-]+", repo_id):
+        raise CheckpointError(f"{name_or_path}: no such directory, and not a hub model name "
+                              f"(e.g. gpt2, openai-community/gpt2-medium)")
+    return download_from_hub(repo_id)
+
+
+def download_from_hub(repo_id: str) -> Path:
+    """Fetch (or find in the hub cache, with HF_HUB_OFFLINE=1) config.json, the weights and tokenizer files."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
+
+    def fetch(filename: str) -> Path | None:
+        try:
+            return Path(hf_hub_download(repo_id, filename))
+        except EntryNotFoundError:
+            return None
+        except LocalEntryNotFoundError:
+            # Offline or unreachable, and this file is not in the cache.
+            return None
+        except HfHubHTTPError as e:
+            raise CheckpointError(f"hub model {repo_id!r}: {str(e).splitlines()[0]}") from None
+
+    config = fetch("config.json")
+    if config is None:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+        hint = ("HF_HUB_OFFLINE is set and it is not in the hub cache" if offline else
+                "it could not be downloaded and is not in the hub cache")
+        raise CheckpointError(f"hub model {repo_id!r}: {hint}; download it, or pass a local directory")
+    if fetch("model.safetensors") is None:
+        index = fetch("model.safetensors.index.json")
+        if index is not None:
+            for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+                if fetch(shard) is None:
+                    raise CheckpointError(f"hub model {repo_id!r}: shard {shard} is missing")
+        elif fetch("pytorch_model.bin") is None:
+            raise CheckpointError(f"hub model {repo_id!r}: no model.safetensors or pytorch_model.bin available")
+    for optional in ("generation_config.json", "vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json"):
+        fetch(optional)
+    return config.parent
+
+
+def _open_readers(directory: Path) -> list:
+    """Readers for the weight files of a directory, safetensors first."""
+    single = directory / "model.safetensors"
+    index = directory / "model.safetensors.index.json"
+    binary = directory / "pytorch_model.bin"
+    if single.exists():
+        return [SafetensorsReader(single)]
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: corrupt shard index ({e})") from None
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (directory / s).exists()]
+        if missing:
+            raise CheckpointError(f"{index}: shard files missing: {', '.join(missing)}")
+        return [SafetensorsReader(directory / s) for s in shards]
+    if binary.exists():
+        return [TorchBinReader(binary)]
+    raise CheckpointError(f"{directory}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
+def read_config(directory: Path) -> tuple[GPTConfig, str]:
+    """(config, layout) of a model directory; layout is 'gpt2' (ours) or 'hf'."""
+    native = directory / NATIVE_META
+    try:
+        if native.exists():
+            meta = _read_json(native)
+            if meta.get("format") != NATIVE_FORMAT:
+                raise CheckpointError(f"{native}: not a gpt2 checkpoint description")
+            return GPTConfig(**meta["config"]), "gpt2"
+        return GPTConfig.from_hf_dict(_read_json(directory / "config.json"), source=str(directory / "config.json")), "hf"
+    except (ConfigError, TypeError, KeyError) as e:
+        raise CheckpointError(f"{directory}: unusable model config: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+# ---------------------------------------------------------------------------------------------
+
+def load_model(name_or_path, device=None, dtype=None, vocab_multiple: int = 1) -> GPT:
+    """Build the model on the meta device, then fill it tensor by tensor, strictly."""
+    directory = resolve_directory(name_or_path)
+    config, layout = read_config(directory)
+    dtype = parse_dtype(dtype)
+    with torch.device("meta"):
+        model = GPT(config, vocab_multiple=vocab_multiple)
+    expected = {name: p for name, p in model.named_parameters()}  # the tied lm_head is listed once, as wte
+    state, problems = {}, []
+    for reader in _open_readers(directory):
+        for key in reader.keys():
+            name = canonical_key(key)
+            if name.endswith(SKIPPED) or name == TIED:
+                continue
+            if name not in expected:
+                problems.append(f"unexpected key {key!r} in {reader.path.name}")
+                continue
+            transpose = layout == "hf" and is_transposed(name)
+            file_shape = reader.shape(key)
+            shape = file_shape[::-1] if transpose else file_shape
+            want = list(expected[name].shape)
+            if name == "transformer.wte.weight":
+                want[0] = config.vocab_size  # files never hold vocabulary padding
+            if shape != want:
+                problems.append(f"{key!r} in {reader.path.name} has shape {file_shape}, expected "
+                                f"{want[::-1] if transpose else want}")
+                continue
+            tensor = reader.read(key)
+            if transpose:
+                tensor = tensor.t()
+            tensor = tensor.to(device=device or "cpu", dtype=dtype or _float_dtype(tensor)).contiguous()
+            if name == "transformer.wte.weight" and model.padded_vocab_size != config.vocab_size:
+                tensor = torch.cat([tensor, tensor.new_zeros(model.padded_vocab_size - config.vocab_size, tensor.size(1))])
+            state[name] = tensor
+    problems += [f"missing key {name!r}" for name in expected if name not in state and not any(
+        p.startswith(f"{name!r} ") for p in problems)]
+    if problems:
+        raise CheckpointError(f"{directory}: weights do not match the config "
+                              f"({config.n_layer} layers, width {config.n_embd}): " + "; ".join(problems[:20])
+                              + (f"; and {len(problems) - 20} more" if len(problems) > 20 else ""))
+    for name, tensor in state.items():
+        module_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(tensor))
+    model.lm_head.weight = model.transformer.wte.weight  # re-tie after replacing wte's parameter
+    return model.eval()
+
+
+def _float_dtype(tensor: torch.Tensor) -> torch.dtype:
+    return tensor.dtype if tensor.is_floating_point() else torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# saving
+# ---------------------------------------------------------------------------------------------
+
+def _unpadded_state(model: GPT, layout: str, dtype=None) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for name, param in model.named_parameters():  # tied lm_head appears once, as wte
+        name = canonical_key(name)
+        tensor = param.detach()
+        if name == "transformer.wte.weight":
+            tensor = tensor[: model.config.vocab_size]
+        if layout == "hf" and is_transposed(name):
+            tensor = tensor.t()
+        tensors[name] = tensor.to(device="cpu", dtype=dtype or tensor.dtype).contiguous()
+    return tensors
+
+
+def atomic_write_bytes(path: Path, write) -> None:
+    """Call write(tmp_path), then rename over path: readers never see a half-written file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: Path, data: dict) -> None:
+    atomic_write_bytes(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2) + "\n"))
+
+
+def _save_safetensors(path: Path, tensors: dict, metadata: dict) -> None:
+    from safetensors.torch import save_file
+    atomic_write_bytes(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+
+
+def save_hf(model: GPT, directory, tokenizer=None, dtype=None) -> str:
+    """config.json + model.safetensors (+ tokenizer files): loadable by transformers.GPT2LMHeadModel."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    dtype = parse_dtype(dtype)
+    tensors = _unpadded_state(model, "hf", dtype)
+    _save_safetensors(directory / "model.safetensors", tensors, {"format": "pt"})
+    config = model.config.to_hf_dict()
+    config["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    atomic_write_json(directory / "config.json", config)
+    if model.config.vocab_size > 50256:
+        atomic_write_json(directory / "generation_config.json", {"bos_token_id": 50256, "eos_token_id": 50256})
+    _save_tokenizer(directory, model.config, tokenizer)
+    return str(directory)
+
+
+def save_native(model: GPT, directory, meta: dict | None = None, dtype=None) -> str:
+    """Our layout: model.safetensors in nn.Linear orientation + gpt2.json (config and metadata)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = _unpadded_state(model, "gpt2", parse_dtype(dtype))
+    _save_safetensors(directory / "model.safetensors", tensors, {"format": NATIVE_FORMAT})
+    # gpt2.json is written last: its presence marks a complete checkpoint.
+    atomic_write_json(directory / NATIVE_META, {"format": NATIVE_FORMAT, "version": 1,
+                                                "config": model.config.to_dict(), **(meta or {})})
+    return str(directory)
+
+
+def _save_tokenizer(directory: Path, config: GPTConfig, tokenizer) -> None:
+    """Tokenizer files beside the weights: the given tokenizer, or GPT-2's when the vocabulary is GPT-2's."""
+    if tokenizer is None and config.vocab_size == 50257:
+        try:
+            from gpt2.tokenizer import Tokenizer
+            tokenizer = Tokenizer.gpt2()
+        except Exception:  # the vocabulary is optional here: weights are complete without it
+            return
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+
+
+def convert(src, dst, to: str | None = None, dtype=None) -> str:
+    """Between our checkpoints and Hugging Face directories; `to` defaults to the other layout."""
+    _, layout = read_config(resolve_directory(src))
+    to = to or ("hf" if layout == "gpt2" else "gpt2")
+    model = load_model(src, dtype=parse_dtype(dtype))
+    return save_hf(model, dst) if to == "hf" else save_native(model, dst)
+
+
+# ---------------------------------------------------------------------------------------------
+# gpt2 info
+# ---------------------------------------------------------------------------------------------
+
+def describe_model(name_or_path: str) -> dict:
+    """Config, parameter count, dtype and bytes, without loading any weights."""
+    if name_or_path in PRESETS and not Path(name_or_path).exists():
+        config, weights, dtype = GPTConfig.preset(name_or_path), "none (a preset: random init)", torch.float32
+        source = f"preset {name_or_path}"
+    else:
+        directory = resolve_directory(name_or_path)
+        config, layout = read_config(directory)
+        readers = _open_readers(directory)
+        dtypes = {reader.dtype(k) for reader in readers for k in reader.keys() if not canonical_key(k).endswith(SKIPPED)}
+        dtype = torch.float32 if len(dtypes) != 1 else dtypes.pop()
+        weights = ", ".join(str(r.path.name) for r in readers) + f" ({'gpt2 checkpoint' if layout == 'gpt2' else 'Hugging Face'})"
+        source = str(directory)
+    with torch.device("meta"):
+        parameters = GPT(config).num_parameters()
+    return {
+        "source": source,
+        "weights": weights,
+        "parameters": parameters,
+        "dtype": str(dtype).removeprefix("torch."),
+        "bytes": parameters * torch.empty(0, dtype=dtype).element_size(),
+        "config": config.to_dict(),
+    }
