@@ -60,12 +60,333 @@ def cmd_convert(args):
 
 
 # ---------------------------------------------------------------------------------------------
+# tokenize / prepare (tokenizer and data pipeline)
+# ---------------------------------------------------------------------------------------------
+
+def add_tokenize_parser(sub):
+    p = sub.add_parser("tokenize", help="encode text with GPT-2's tokenizer: tokens, ids or a count")
+    p.add_argument("text", nargs="?", help="text to encode (default: --file, else stdin)")
+    p.add_argument("--file", help="read the text from this UTF-8 file")
+    p.add_argument("--count", action="store_true", help="print only the number of tokens")
+    p.add_argument("--ids", action="store_true", help="print only the ids, space separated")
+    p.add_argument("--special", choices=["error", "allow", "text"], default="error",
+                   help="<|endoftext|> in the text: error (default), allow (id 50256) or text (plain text)")
+    p.add_argument("--vocab-dir", help="directory with the vocabulary files (default: resolved, see tokenizer.py)")
+    p.set_defaults(func=cmd_tokenize)
+
+
+def cmd_tokenize(args):
+    from gpt2.errors import TokenizerError
+    from gpt2.tokenizer import Tokenizer
+    if args.text is not None and args.file:
+        raise TokenizerError("give TEXT or --file, not both")
+    if args.file:
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"{args.file}: {e}") from None
+    else:
+        text = args.text if args.text is not None else sys.stdin.read()
+    tok = Tokenizer.gpt2(vocab_dir=args.vocab_dir)
+    if args.special == "text":
+        ids = tok.encode_ordinary(text)
+    else:
+        ids = tok.encode(text, allowed_special="all" if args.special == "allow" else frozenset())
+    if args.count:
+        print(len(ids))
+    elif args.ids:
+        print(" ".join(map(str, ids)))
+    else:
+        for i in ids:
+            print(f"{i:6d} {tok.decode_bytes([i])!r}")
+
+
+def add_prepare_parser(sub):
+    p = sub.add_parser("prepare", help="tokenize text files, directories, .jsonl or 'shakespeare' into llm.c shards")
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="text files, directories, .jsonl files, or 'shakespeare'")
+    p.add_argument("--out", required=True, help="output directory for *_train_*.bin, *_val_*.bin and manifest.json")
+    p.add_argument("--name", help="shard name prefix (default: 'shakespeare' for that dataset, else the --out name)")
+    p.add_argument("--val-fraction", type=float, default=0.1, help="fraction of documents for validation (default 0.1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the train/val split (default 0)")
+    p.add_argument("--text-field", default="text", help="JSON field holding the text in .jsonl inputs (default: text)")
+    p.add_argument("--errors", choices=["strict", "replace"], default="strict",
+                   help="non-UTF-8 bytes: fail (strict, default) or replace with U+FFFD")
+    p.add_argument("--shard-size", type=int, default=100_000_000, help="tokens per shard (default 1e8, as llm.c)")
+    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: CPU count)")
+    p.add_argument("--cache-dir", help="where the 'shakespeare' dataset is cached (default ~/.cache/gpt2)")
+    p.set_defaults(func=cmd_prepare)
+
+
+def cmd_prepare(args):
+    from gpt2.data import PrepareConfig, prepare
+    cfg = PrepareConfig(inputs=list(args.inputs), out_dir=args.out, name=args.name, val_fraction=args.val_fraction,
+                        seed=args.seed, text_field=args.text_field, errors=args.errors, shard_size=args.shard_size,
+                        workers=args.workers, cache_dir=args.cache_dir, progress=True)
+    manifest = prepare(cfg)
+    t, v = manifest["tokens"]["train"], manifest["tokens"]["val"]
+    print(f"wrote {len(manifest['shards']['train'])} train + {len(manifest['shards']['val'])} val shards to {args.out}: "
+          f"{t:,} train / {v:,} val tokens, {manifest['documents']['train']} / {manifest['documents']['val']} documents")
+
+
+# ---------------------------------------------------------------------------------------------
+# inspect
+# ---------------------------------------------------------------------------------------------
+
+def add_inspect_parser(sub):
+    p = sub.add_parser("inspect", help="the architecture sheet: every op with shapes, parameters, FLOPs, memory")
+    p.add_argument("model", help="preset name (no weights needed), directory or hub name (reads its config only)")
+    p.add_argument("--mode", choices=["full", "training", "prefill", "decode"], default="full")
+    p.add_argument("--batch", type=int, default=1, help="B sequences")
+    p.add_argument("--seq", type=int, default=None,
+                   help="T new positions (default: n_positions; decode: 1, the one new token)")
+    p.add_argument("--past", type=int, default=None,
+                   help="P positions already in the KV cache (prefill: default 0; decode: default n_positions - 1)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="activation and KV-cache dtype for the byte counts")
+    p.add_argument("--format", choices=["text", "markdown", "json", "html"], default="text")
+    p.set_defaults(func=cmd_inspect)
+
+
+def cmd_inspect(args):
+    from gpt2.inspect import FORMATTERS, inspect_model
+    sheet = inspect_model(args.model, args.mode, args.batch, args.seq, args.past, args.dtype)
+    print(FORMATTERS[args.format](sheet))
+
+
+# ---------------------------------------------------------------------------------------------
+# eval (evaluate.py)
+# ---------------------------------------------------------------------------------------------
+
+def add_eval_parser(sub):
+    p = sub.add_parser("eval", help="evaluate: perplexity and bits per byte, LAMBADA, HellaSwag")
+    tasks = p.add_subparsers(dest="task", required=True, metavar="TASK")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--model", required=True, help="Hugging Face directory, hub name or our checkpoint")
+    common.add_argument("--batch-size", type=int, default=None,
+                        help="windows (perplexity, default 4) or sequences (tasks, default 8) per forward")
+    common.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    common.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    common.add_argument("--json", action="store_true", help="print one JSON object (the last line of stdout)")
+    t = tasks.add_parser("perplexity", parents=[common], help="token perplexity and bits per byte of text or shards")
+    t.add_argument("files", nargs="+", metavar="FILE", help="UTF-8 text files, token shards, or prepared data dirs (val)")
+    t.add_argument("--max-length", type=int, default=None, help="window length L (default: n_positions)")
+    t.add_argument("--stride", type=int, default=None, help="window step S (default: L/2; S = L is the val loss)")
+    t.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of each FILE")
+    t = tasks.add_parser("lambada", parents=[common], help="LAMBADA last-word accuracy and perplexity")
+    t.add_argument("--data", required=True, help='LAMBADA jsonl, one {"text": ...} per line (lambada_test.jsonl)')
+    t.add_argument("--limit", type=int, default=None, help="evaluate only the first N examples")
+    t = tasks.add_parser("hellaswag", parents=[common], help="HellaSwag completion-style acc and acc_norm")
+    t.add_argument("--data", required=True, help="HellaSwag jsonl with ctx, endings, label (hellaswag_val.jsonl)")
+    t.add_argument("--limit", type=int, default=None, help="evaluate only the first N examples")
+    t.add_argument("--preprocess", choices=["harness", "none"], default="harness",
+                   help="harness: lm-eval-harness's query and cleanup (default); none: raw ctx and endings")
+    p.set_defaults(func=cmd_eval)
+
+
+def cmd_eval(args):
+    import os
+    import torch
+    from gpt2 import evaluate
+    from gpt2.errors import ConfigError
+    from gpt2.model import GPT
+    from gpt2.tokenizer import Tokenizer
+    for flag in ("batch_size", "limit", "max_length", "stride", "max_tokens"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    evaluate.check_files(args.files if args.task == "perplexity" else [args.data])  # before loading the model
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = GPT.from_pretrained(args.model, device=device, dtype=args.dtype).eval()
+    tokenizer = Tokenizer.gpt2(model_dir=args.model if os.path.isdir(args.model) else None)
+    progress = sys.stderr.isatty()
+    if args.task == "perplexity":
+        result = evaluate.perplexity(model, tokenizer, args.files, args.max_length, args.stride,
+                                     args.batch_size or 4, args.max_tokens, progress)
+        columns = ["path", "tokens", "bytes", "nll", "perplexity", "bits_per_byte"]
+        rows = result["files"] + ([{"path": "all", **result}] if len(result["files"]) > 1 else [])
+    elif args.task == "lambada":
+        result = evaluate.lambada(model, tokenizer, args.data, args.batch_size or 8, args.limit, progress)
+        columns, rows = ["task", "examples", "acc", "ppl", "ppl_per_token"], [result]
+    else:
+        result = evaluate.hellaswag(model, tokenizer, args.data, args.batch_size or 8, args.limit,
+                                    args.preprocess, progress)
+        columns, rows = ["task", "examples", "acc", "acc_norm", "acc_token_norm"], [result]
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(evaluate.format_table(rows, columns))
+        if args.task == "perplexity":
+            print(f"(max_length {result['max_length']}, stride {result['stride']})")
+
+
+# ---------------------------------------------------------------------------------------------
+# train
+# ---------------------------------------------------------------------------------------------
+
+def add_train_parser(sub):
+    p = sub.add_parser("train", help="train from scratch or fine-tune on prepared shards (torchrun for many devices)",
+                       description="Flags left out take the preset's value (or TrainConfig's default without --preset).")
+    p.add_argument("--preset", help="training preset: quickstart (2 CPU cores, 5 min) or gpt2-124M (GPUs)")
+    p.add_argument("--data", help="prepared data directory (gpt2 prepare ... --out DIR)")
+    p.add_argument("--out", help="run directory: checkpoints, LATEST, metrics.jsonl, loss.png")
+    p.add_argument("--resume", action="store_true", default=None, help="continue from OUT's newest checkpoint")
+    g = p.add_argument_group("model (from scratch, unless --init-from)")
+    g.add_argument("--model", help="GPTConfig preset for a from-scratch run: gpt2, gpt2-medium, gpt2-large, gpt2-xl")
+    for flag in ("n-layer", "n-head", "n-embd", "n-positions", "vocab-size"):
+        g.add_argument(f"--{flag}", type=int, help=f"model {flag.replace('-', '_')} (overrides the preset's)")
+    g.add_argument("--init-from", help="fine-tune: our checkpoint, a Hugging Face directory or a hub name (gpt2, ...)")
+    g.add_argument("--dropout", type=float, help="all three dropout rates (default: the model config's, 0.1 from scratch)")
+    g.add_argument("--vocab-multiple", type=int, help="pad the vocabulary rows to a multiple (default 64)")
+    g = p.add_argument_group("batch, optimizer, schedule")
+    g.add_argument("--batch-size", type=int, help="sequences per micro-batch per rank")
+    g.add_argument("--seq-len", type=int, help="tokens per sequence")
+    g.add_argument("--total-batch-tokens", type=int, help="accumulate gradients to this many tokens per step")
+    g.add_argument("--data-mode", choices=["random", "sequential"])
+    g.add_argument("--lr", type=float, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, help="final learning rate")
+    g.add_argument("--warmup-steps", type=int)
+    g.add_argument("--schedule", choices=["cosine", "wsd"], help="after warmup: cosine or warmup-stable-decay")
+    g.add_argument("--decay-fraction", type=float, help="wsd: fraction of the run spent decaying (default 0.2)")
+    g.add_argument("--weight-decay", type=float)
+    g.add_argument("--grad-clip", type=float, help="max gradient norm (0 disables)")
+    g.add_argument("--max-steps", type=int)
+    g.add_argument("--max-minutes", type=float, help="time budget for the training loop; the schedule follows the clock")
+    g = p.add_argument_group("evaluation, checkpoints")
+    g.add_argument("--eval-interval", type=int)
+    g.add_argument("--eval-batches", type=int)
+    g.add_argument("--checkpoint-interval", type=int)
+    g.add_argument("--keep-last", type=int, help="checkpoints to keep (0: all)")
+    g.add_argument("--num-samples", type=int, help="sampled lines at each eval (0 disables)")
+    g.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
+    g.add_argument("--peak-tflops", type=float,
+                   help="device peak for the MFU estimate (default: known GPUs' bf16 peak; CPU: an assumed 0.3)")
+    g = p.add_argument_group("execution")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--device", choices=["cpu", "cuda"])
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="autocast dtype (weights stay float32)")
+    g.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
+    g.add_argument("--activation-checkpointing", action="store_true", default=None)
+    g.add_argument("--parallel", choices=["ddp", "fsdp"], help="under torchrun: DDP (default) or FSDP2")
+    g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                   help="deterministic algorithms (default: on for CPU)")
+    g.add_argument("--threads", type=int, help="torch.set_num_threads")
+    p.set_defaults(func=cmd_train)
+
+
+def cmd_train(args):
+    import dataclasses
+    from gpt2.config import GPTConfig
+    from gpt2.train import TrainConfig, preset_configs, train
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    overrides = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    if args.preset:
+        cfg, model_config = preset_configs(args.preset, **overrides)
+    else:
+        cfg, model_config = TrainConfig(**overrides), None
+    sizes = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size")
+             if getattr(args, k) is not None}
+    if args.model:
+        model_config = GPTConfig.preset(args.model, **sizes)
+    elif sizes or model_config is None:
+        model_config = dataclasses.replace(model_config or GPTConfig(), **sizes)
+    train(cfg, None if cfg.init_from else model_config)
+
+
+# ---------------------------------------------------------------------------------------------
+# generate (engine)
+# ---------------------------------------------------------------------------------------------
+
+def add_generate_parser(sub):
+    p = sub.add_parser("generate", help="generate text from a prompt (greedy by default)")
+    p.add_argument("prompt", nargs="?", default="", help="prompt text (empty: start from <|endoftext|>)")
+    p.add_argument("--model", required=True, help="Hugging Face directory, hub name (gpt2, ...) or our checkpoint")
+    p.add_argument("--stdin", action="store_true", help="read the prompt from standard input")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None, help="sample i uses seed + i")
+    p.add_argument("--num-samples", type=int, default=1, help="samples of the same prompt, run as one batch")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); trimmed from the output")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at <|endoftext|>")
+    p.add_argument("--truncate", choices=["left"], default=None, help="cut a too-long prompt from the left")
+    p.add_argument("--stream", action="store_true", help="print text as it is generated")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "int8"], default="float32",
+                   help="int8: weight-only, bf16 compute")
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args):
+    from gpt2.engine import load_for_inference, make_config
+    from gpt2.errors import ConfigError
+    from gpt2.tokenizer import Tokenizer
+    model = load_for_inference(args.model, dtype=args.dtype, device=args.device)
+    if model.config.vocab_size != 50257:
+        raise ConfigError(f"{args.model}: a vocabulary of {model.config.vocab_size} tokens is not GPT-2's; "
+                          "text generation needs the GPT-2 tokenizer")
+    tok = Tokenizer.from_pretrained(args.model)
+    prompt = sys.stdin.read() if args.stdin else args.prompt
+    cfg = make_config(args.max_new_tokens, args.temperature, args.top_k, args.top_p, min_p=args.min_p,
+                      repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                      presence_penalty=args.presence_penalty, ignore_eos=args.ignore_eos, truncate=args.truncate)
+    ended = 0
+    for chunk in _generate_text(model, tok, prompt, cfg, args.num_samples, args.seed, args.stop, args.stream):
+        if chunk is None:  # the end of one sample
+            ended += 1
+            chunk = "\n" + ("-" * 40 + "\n" if ended < args.num_samples else "")
+        print(chunk, end="", flush=True)
+
+
+def _generate_text(model, tok, prompt: str, cfg, num_samples: int, seed, stop: list[str], stream: bool):
+    """Text chunks of each sample in turn (prompt first), None after each sample.
+
+    Sample i draws from its own generator (seed + i), so streaming the samples one at a time prints
+    exactly what one batch of all of them generates.
+    """
+    import dataclasses
+
+    from gpt2.engine import GPT2_EOT, Stream, TextStream
+    ids = tok.encode(prompt, allowed_special="all") or [GPT2_EOT]  # GPT-2 has no BOS: start from <|endoftext|>
+    seeds = [None if seed is None else seed + i for i in range(num_samples)]
+    groups = [[i] for i in range(num_samples)] if stream else [list(range(num_samples))]
+    for rows in groups:
+        row_cfg = dataclasses.replace(cfg, seed=[seeds[i] for i in rows] if seed is not None else None)
+        steps = Stream(model, [ids] * len(rows), row_cfg)
+        texts = [TextStream(tok.stream_decoder(), stop) for _ in rows]
+        if stream:
+            yield prompt
+        for step in steps:
+            for r, t in enumerate(step):
+                chunk = texts[r].push(t)
+                if texts[r].stopped:
+                    steps.finish(r)
+                if stream and chunk:
+                    yield chunk
+        for text in texts:
+            rest = text.flush()  # text held back for a stop string that never came, or a partial character
+            yield rest if stream else prompt + text.text
+            yield None
+
+
+# ---------------------------------------------------------------------------------------------
 # entry point
 # ---------------------------------------------------------------------------------------------
 
 PARSERS = [
+    add_generate_parser,
+    add_train_parser,
     add_info_parser,
     add_convert_parser,
+    add_tokenize_parser,
+    add_prepare_parser,
+    add_inspect_parser,
+    add_eval_parser,
 ]
 
 

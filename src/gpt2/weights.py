@@ -84,6 +84,10 @@ SAFETENSORS_DTYPES = {
 }
 
 
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
 class SafetensorsReader:
     """Validates a .safetensors header up front, then reads one tensor at a time into fresh memory."""
 
@@ -115,7 +119,7 @@ class SafetensorsReader:
                 begin, end = (int(o) for o in entry["data_offsets"])
             except (KeyError, TypeError, ValueError):
                 raise CheckpointError(f"{self.path}: corrupt or unsupported header entry for {name!r}") from None
-            nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            nbytes = math.prod(shape) * _itemsize(dtype)
             if end - begin != nbytes or begin < 0:
                 raise CheckpointError(f"{self.path}: tensor {name!r} has {end - begin} bytes, its shape needs {nbytes}")
             if self.data_start + end > file_size:
@@ -132,17 +136,29 @@ class SafetensorsReader:
     def dtype(self, name: str) -> torch.dtype:
         return self.entries[name][0]
 
-    def read(self, name: str) -> torch.Tensor:
+    def read_into(self, name: str, out: torch.Tensor, buffer: torch.Tensor) -> None:
+        """Copy tensor `name` into `out` (same shape; any dtype or strides) through `buffer` (uint8).
+
+        Rows are streamed through one reused buffer, so a transposed or dtype-converted destination
+        never needs a full-size temporary. Reusing the buffer across tensors also matters: freeing a
+        large block per tensor makes glibc raise its mmap threshold and fragment the heap (~20% RSS).
+        """
         dtype, shape, begin = self.entries[name]
-        tensor = torch.empty(shape, dtype=dtype)
-        if tensor.numel() == 0:
-            return tensor
-        buffer = tensor.view(-1).view(torch.uint8).numpy()
+        if out.numel() == 0:
+            return
+        rows = out.reshape(-1, 1) if len(shape) <= 1 else out  # (rows, ...); 1-D tensors stream per element
+        row_bytes = math.prod(rows.shape[1:]) * _itemsize(dtype)
+        rows_per_chunk = max(1, buffer.numel() // row_bytes)
+        if rows_per_chunk * row_bytes > buffer.numel():
+            buffer = torch.empty(row_bytes, dtype=torch.uint8)  # a single row larger than the buffer
         with open(self.path, "rb") as f:
             f.seek(self.data_start + begin)
-            if f.readinto(buffer) != buffer.nbytes:
-                raise CheckpointError(f"{self.path}: truncated while reading {name!r}")
-        return tensor
+            for start in range(0, rows.size(0), rows_per_chunk):
+                n = min(rows_per_chunk, rows.size(0) - start)
+                chunk = buffer[: n * row_bytes]
+                if f.readinto(chunk.numpy()) != n * row_bytes:
+                    raise CheckpointError(f"{self.path}: truncated while reading {name!r}")
+                rows[start:start + n].copy_(chunk.view(dtype).view(n, *rows.shape[1:]))
 
 
 class TorchBinReader:
@@ -169,8 +185,8 @@ class TorchBinReader:
     def dtype(self, name):
         return self.state[name].dtype
 
-    def read(self, name):
-        return self.state[name]
+    def read_into(self, name, out, buffer=None):
+        out.copy_(self.state[name])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,6 +309,7 @@ def load_model(name_or_path, device=None, dtype=None, vocab_multiple: int = 1) -
         model = GPT(config, vocab_multiple=vocab_multiple)
     expected = {name: p for name, p in model.named_parameters()}  # the tied lm_head is listed once, as wte
     state, problems = {}, []
+    buffer = torch.empty(4 * 2**20, dtype=torch.uint8)  # the one staging buffer for every tensor
     for reader in _open_readers(directory):
         for key in reader.keys():
             name = canonical_key(key)
@@ -311,28 +328,24 @@ def load_model(name_or_path, device=None, dtype=None, vocab_multiple: int = 1) -
                 problems.append(f"{key!r} in {reader.path.name} has shape {file_shape}, expected "
                                 f"{want[::-1] if transpose else want}")
                 continue
-            tensor = reader.read(key)
-            if transpose:
-                tensor = tensor.t()
-            tensor = tensor.to(device=device or "cpu", dtype=dtype or _float_dtype(tensor)).contiguous()
-            if name == "transformer.wte.weight" and model.padded_vocab_size != config.vocab_size:
-                tensor = torch.cat([tensor, tensor.new_zeros(model.padded_vocab_size - config.vocab_size, tensor.size(1))])
-            state[name] = tensor
+            # Allocate the final tensor once and stream the file into it (transposed view if needed).
+            file_dtype = reader.dtype(key)
+            tensor = torch.zeros(expected[name].shape, dtype=dtype or (
+                file_dtype if file_dtype.is_floating_point else torch.float32))
+            destination = tensor[: config.vocab_size] if name == "transformer.wte.weight" else tensor
+            reader.read_into(key, destination.t() if transpose else destination, buffer)
+            state[name] = tensor.to(device) if device is not None else tensor
     problems += [f"missing key {name!r}" for name in expected if name not in state and not any(
         p.startswith(f"{name!r} ") for p in problems)]
     if problems:
         raise CheckpointError(f"{directory}: weights do not match the config "
-                              f"({config.n_layer} layers, width {config.n_embd}): " + "; ".join(problems[:20])
-                              + (f"; and {len(problems) - 20} more" if len(problems) > 20 else ""))
+                              f"({config.n_layer} layers, width {config.n_embd}): " + "; ".join(problems[:10])
+                              + (f"; and {len(problems) - 10} more" if len(problems) > 10 else ""))
     for name, tensor in state.items():
         module_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(tensor))
     model.lm_head.weight = model.transformer.wte.weight  # re-tie after replacing wte's parameter
     return model.eval()
-
-
-def _float_dtype(tensor: torch.Tensor) -> torch.dtype:
-    return tensor.dtype if tensor.is_floating_point() else torch.float32
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,548 @@
+"""The architecture sheet: every operation of GPT-2 in order, with shapes, parameters, FLOPs and memory.
+
+    gpt2 inspect gpt2 --mode decode --batch 1 --past 1023
+    gpt2 inspect gpt2-xl --mode training --batch 8 --seq 1024 --format html > sheet.html
+    gpt2 inspect path/to/model --mode prefill --seq 128 --format json
+
+    from gpt2.inspect import architecture_sheet
+    sheet = architecture_sheet(model, mode="prefill", batch=1, seq=16)   # a JSON-ready dict
+
+It presents GPT-2 as the seeds do: each operation with its formula, its input and output shapes on
+named axes ([B batch, 12 heads, T queries, T keys]), its parameter tensors, whether it acts only in
+training, plus its forward FLOPs and the bytes of its output. The sheet is built from the model's
+real module tree (parameter tensors and counts come from the nn.Parameters; the attention mask from
+GPT._attention_mask); tests/test_inspect.py runs real forwards with hooks in all four modes and
+checks every shape listed here against the shape observed.
+
+The four modes are the four ways GPT.forward is called:
+    full      model(idx): T positions, logits for all of them, dropout is the identity
+    training  model.train(); model(idx, targets): dropout acts, the loss is computed
+    prefill   model(idx, cache, last_logits_only=True): T new tokens written after P cached ones
+              (P = 0: a prompt into an empty cache); logits for the last position only
+    decode    model(idx, cache): one new token, one query against P+1 keys; the cache grows by one
+
+FLOP conventions (forward only; backward costs about twice the forward, so training is about 3x):
+a matmul (M, K) @ (K, N) is 2*M*N*K, as torch.utils.flop_counter counts it; a bias add, a residual
+add, the score scaling and a dropout in training are 1 per output element; LayerNorm is 7 per element
+(mean, centre, square, variance, normalize, gain, bias); softmax 5 (max, subtract, exp, sum, divide);
+the activation FLOPS_PER_ELEMENT below; cross-entropy 4 per logit; views, copies, the embedding
+lookup and the causal mask (a select) are 0.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+
+from gpt2.config import GPTConfig
+from gpt2.errors import ConfigError, ContextLengthError
+
+MODES = ("full", "training", "prefill", "decode")
+FORMATS = ("text", "markdown", "json", "html")
+LAYERNORM_FLOPS = 7
+SOFTMAX_FLOPS = 5
+CROSS_ENTROPY_FLOPS = 4
+FLOPS_PER_ELEMENT = {"gelu_new": 9, "gelu_pytorch_tanh": 9, "gelu": 5, "relu": 1}
+ACTIVATION_FORMULAS = {
+    "gelu_new": "GELU(h) = 0.5 h (1 + tanh(sqrt(2/pi) (h + 0.044715 h^3)))",
+    "gelu_pytorch_tanh": "GELU(h) = 0.5 h (1 + tanh(sqrt(2/pi) (h + 0.044715 h^3)))",
+    "gelu": "GELU(h) = 0.5 h (1 + erf(h / sqrt 2))",
+    "relu": "ReLU(h) = max(h, 0)",
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Op:
+    name: str
+    block: int | None
+    kind: str                        # embedding, layernorm, attention, mlp, dropout, add, head, loss: the colour
+    formula: str
+    input_shapes: list[list[int]]
+    output_shape: list[int]
+    axes: list[str]                  # the output's named axes, e.g. ["B batch", "12 heads", "T queries", "T keys"]
+    input_axes: list[list[str]]
+    parameters: int                  # new parameters (a tied tensor counts once, at its first use)
+    parameter_tensors: list[dict]    # [{"name", "shape", "count"}], tied ones with "tied_to"
+    flops: int
+    activation_bytes: int            # bytes of the output at the activation dtype
+    training_only: bool
+    identity: bool = False           # dropout outside training: returns its input unchanged
+    allocates: bool = True           # False for views and identities: no new memory
+    module: str | None = None        # the nn.Module (name in model.named_modules()) that runs it
+    note: str = ""
+
+
+@dataclass
+class _Axes:
+    """Named axes of one sheet: (label, size) pairs, labels as the seeds write them."""
+    config: GPTConfig
+    mode: str
+    B: int
+    T: int
+    P: int
+
+    def __post_init__(self):
+        c, decode = self.config, self.mode == "decode"
+        S = self.P + self.T
+        self.batch = ("B batch", self.B)
+        self.pos = ("1 position" if decode else "T positions", self.T)
+        self.queries = ("1 query" if decode else "T queries", self.T)
+        self.keys = ("P+1 keys" if decode else ("P+T keys" if self.P else "T keys"), S)
+        self.cached = ("P+1 positions" if decode else ("P+T positions" if self.P else "T positions"), S)
+        self.d = (f"{c.n_embd} d", c.n_embd)
+        self.qkv = (f"{3 * c.n_embd} q,k,v", 3 * c.n_embd)
+        self.heads = (f"{c.n_head} heads", c.n_head)
+        self.hs = (f"{c.head_size} head dims", c.head_size)
+        self.ff = (f"{c.mlp_width} hidden", c.mlp_width)
+        self.vocab = (f"{c.vocab_size} vocab", c.vocab_size)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _tensors(model: nn.Module, module_name: str, seen: dict) -> tuple[list[dict], int]:
+    """Parameter tensors of one module, from the real nn.Parameters; tied tensors count at first use."""
+    module = model.get_submodule(module_name)
+    tensors, new = [], 0
+    for pname, p in module.named_parameters(recurse=False):
+        full = f"{module_name}.{pname}"
+        count = p.numel()
+        if full == "transformer.wte.weight":
+            count = model.config.vocab_size * p.shape[1]  # padded vocabulary rows are not parameters of GPT-2
+        entry = {"name": full, "shape": list(p.shape), "count": count}
+        if id(p) in seen:
+            entry["tied_to"] = seen[id(p)]
+        else:
+            seen[id(p)] = full
+            new += count
+        tensors.append(entry)
+    return tensors, new
+
+
+def architecture_sheet(model: nn.Module, mode: str = "full", batch: int = 1, seq: int | None = None,
+                       past: int | None = None, dtype: str | torch.dtype = "float32") -> dict:
+    """The sheet of `model` (a GPT, any device including meta) for one call of forward in `mode`."""
+    config: GPTConfig = model.config
+    if mode not in MODES:
+        raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    seq = seq if seq is not None else (1 if mode == "decode" else config.n_positions)
+    past = past if past is not None else (config.n_positions - 1 if mode == "decode" else 0)
+    if batch < 1 or seq < 1 or past < 0:
+        raise ConfigError(f"need --batch >= 1, --seq >= 1 and --past >= 0, got {batch}, {seq}, {past}")
+    if mode == "decode" and seq != 1:
+        raise ConfigError("decode adds one token per step: use --seq 1 and --past P for the cached positions")
+    if mode in ("full", "training") and past:
+        raise ConfigError(f"{mode} mode has no KV cache: --past must be 0 (use prefill or decode)")
+    if past + seq > config.n_positions:
+        raise ContextLengthError(f"{past} cached + {seq} new positions exceed the context length of {config.n_positions}")
+
+    ax = _Axes(config, mode, batch, seq, past)
+    ops = _ops(model, ax, dtype)
+    return _with_totals(model, ax, dtype, ops)
+
+
+def _ops(model: nn.Module, ax: _Axes, dtype: torch.dtype) -> list[Op]:
+    config, mode = model.config, ax.mode
+    train = mode == "training"
+    cached = mode in ("prefill", "decode")
+    size = torch.empty(0, dtype=dtype).element_size()
+    score_size = 4 if config.reorder_and_upcast_attn else size  # scores and softmax upcast to float32
+    B, T, P = ax.B, ax.T, ax.P
+    S = P + T
+    nh, hs, C = config.n_head, config.head_size, config.n_embd
+    seen: dict = {}
+    ops: list[Op] = []
+
+    def add(name, block, kind, formula, inputs, output, flops, module=None, params_of=None,
+            training_only=False, allocates=True, note="", elem_size=None):
+        tensors, count = _tensors(model, params_of, seen) if params_of else ([], 0)
+        identity = training_only and not train and kind == "dropout"
+        ops.append(Op(
+            name=name, block=block, kind=kind, formula=formula,
+            input_shapes=[[s for _, s in shape] for shape in inputs],
+            output_shape=[s for _, s in output], axes=[label for label, _ in output],
+            input_axes=[[label for label, _ in shape] for shape in inputs],
+            parameters=count, parameter_tensors=tensors,
+            flops=0 if identity else flops,
+            activation_bytes=_numel([s for _, s in output]) * (elem_size or size),
+            training_only=training_only, identity=identity, allocates=allocates and not identity,
+            module=module, note="identity outside training" if identity else note))
+
+    def dropout(name, block, module, p_name, x, formula):
+        p = getattr(config, p_name)
+        add(name, block, "dropout", f"{formula}, r ~ Bernoulli(1 - {p_name}={p})", [x], x, _numel([s for _, s in x]),
+            module=module, training_only=True)
+
+    x = [ax.batch, ax.pos, ax.d]  # the residual stream (B, T, C)
+    positions = [("1", 1), ax.pos]
+    add("embedding", None, "embedding", "x0 = W_te[idx] + W_pe[pos]", [[ax.batch, ax.pos], positions], x,
+        B * T * C, module="transformer.wte", params_of=None,
+        note=(f"position {P}" if T == 1 else f"positions {P}..{P + T - 1}") if cached else "")
+    # wte and wpe both belong to this one op; count them here from the real tensors
+    for sub in ("transformer.wte", "transformer.wpe"):
+        tensors, count = _tensors(model, sub, seen)
+        ops[-1].parameter_tensors += tensors
+        ops[-1].parameters += count
+    dropout("embedding dropout", None, "transformer.drop", "embd_pdrop", x, "x0~ = r * x0 / (1 - p)")
+
+    mask = type(model)._attention_mask(None, P, T, "meta")  # the real model's mask: None means plain causal
+    mask_shape = [ax.queries, ax.keys] if mask is None else [("1", 1), ("1", 1), ax.queries, ax.keys]
+    mask_note = ""
+    if mode == "decode":
+        mask_note = "no-op: the one query sees all P+1 keys"
+    elif mode == "prefill" and P:
+        mask_note = "query i (position P+i) sees keys 0..P+i"
+
+    for i, _ in enumerate(model.transformer.h):
+        h = f"transformer.h.{i}"
+        q_axes = [ax.batch, ax.heads, ax.queries, ax.hs]
+        kv_axes = [ax.batch, ax.heads, ax.keys, ax.hs]
+        s_axes = [ax.batch, ax.heads, ax.queries, ax.keys]
+        add("ln_1", i, "layernorm", "Z1 = (x - mean) / sqrt(var + eps) * g + b", [x], x,
+            LAYERNORM_FLOPS * B * T * C, module=f"{h}.ln_1", params_of=f"{h}.ln_1")
+        add("qkv projection", i, "attention", "[Q K V] = Z1 W_attn + b_attn", [x], [ax.batch, ax.pos, ax.qkv],
+            2 * B * T * C * 3 * C + B * T * 3 * C, module=f"{h}.attn.c_attn", params_of=f"{h}.attn.c_attn")
+        add("head split", i, "attention", "Q, K, V -> (B, nh, T, hs) each", [[ax.batch, ax.pos, ax.qkv]],
+            [("3 q,k,v", 3)] + [ax.batch, ax.heads, ax.pos, ax.hs], 0, module=f"{h}.attn", allocates=False)
+        if cached:
+            add("kv cache append", i, "cache", "K_cache[P:P+T], V_cache[P:P+T] = K, V",
+                [[ax.batch, ax.heads, ax.pos, ax.hs]] * 2, [("2 k,v", 2), ax.batch, ax.heads, ax.cached, ax.hs], 0,
+                module=f"{h}.attn", allocates=False,
+                note=f"cache grows {P} -> {S} positions; returns all keys and values so far")
+        add("scores", i, "attention", f"S = Q K^T / sqrt({hs})", [q_axes, kv_axes], s_axes,
+            2 * B * nh * T * S * hs + B * nh * T * S, module=f"{h}.attn", elem_size=score_size)
+        add("causal mask", i, "attention", "S[i, j] = -inf where key j is after query i",
+            [s_axes, mask_shape], s_axes, 0, module=f"{h}.attn", elem_size=score_size, note=mask_note)
+        add("softmax", i, "attention", "A = softmax(S) over keys", [s_axes], s_axes,
+            SOFTMAX_FLOPS * B * nh * T * S, module=f"{h}.attn", elem_size=score_size)
+        dropout("attention-weight dropout", i, f"{h}.attn.attn_dropout", "attn_pdrop", s_axes, "A~ = r * A / (1 - p)")
+        add("weighted sum", i, "attention", "Y = A~ V", [s_axes, kv_axes], q_axes,
+            2 * B * nh * T * S * hs, module=f"{h}.attn")
+        add("head merge", i, "attention", "Y -> (B, T, nh * hs)", [q_axes], x, 0, module=f"{h}.attn")
+        add("c_proj", i, "attention", "D_attn = Y W_proj + b_proj", [x], x, 2 * B * T * C * C + B * T * C,
+            module=f"{h}.attn.c_proj", params_of=f"{h}.attn.c_proj")
+        dropout("residual dropout", i, f"{h}.attn.resid_dropout", "resid_pdrop", x, "D_attn~ = r * D_attn / (1 - p)")
+        add("residual add", i, "add", "x' = x + D_attn~", [x, x], x, B * T * C, module=h)
+        add("ln_2", i, "layernorm", "Z2 = (x' - mean) / sqrt(var + eps) * g + b", [x], x,
+            LAYERNORM_FLOPS * B * T * C, module=f"{h}.ln_2", params_of=f"{h}.ln_2")
+        ff = [ax.batch, ax.pos, ax.ff]
+        add("c_fc", i, "mlp", "H = Z2 W_fc + b_fc", [x], ff, 2 * B * T * C * config.mlp_width + B * T * config.mlp_width,
+            module=f"{h}.mlp.c_fc", params_of=f"{h}.mlp.c_fc")
+        act = config.activation_function
+        add(act.split("_")[0].upper() if act != "relu" else "ReLU", i, "mlp", ACTIVATION_FORMULAS[act], [ff], ff,
+            FLOPS_PER_ELEMENT[act] * B * T * config.mlp_width, module=f"{h}.mlp")
+        add("c_proj", i, "mlp", "D_mlp = GELU(H) W_proj + b_proj", [ff], x,
+            2 * B * T * config.mlp_width * C + B * T * C, module=f"{h}.mlp.c_proj", params_of=f"{h}.mlp.c_proj")
+        dropout("MLP dropout", i, f"{h}.mlp.dropout", "resid_pdrop", x, "D_mlp~ = r * D_mlp / (1 - p)")
+        add("residual add", i, "add", "x_next = x' + D_mlp~", [x, x], x, B * T * C, module=h)
+
+    add("ln_f", None, "layernorm", "Z = (x - mean) / sqrt(var + eps) * g + b", [x], x,
+        LAYERNORM_FLOPS * B * T * C, module="transformer.ln_f", params_of="transformer.ln_f")
+    last = mode in ("prefill", "decode")  # the engine asks for the last position's logits only
+    rows = [ax.batch, ("1 position", 1) if last else ax.pos]
+    add("lm_head", None, "head", "logits = Z W_te^T (tied to wte)", [rows + [ax.d]], rows + [ax.vocab],
+        2 * B * rows[1][1] * C * config.vocab_size, module="lm_head", params_of="lm_head",
+        note="last position only" if mode == "prefill" else "")
+    if mode == "training":
+        n = ("B*T tokens", B * T)
+        add("loss", None, "loss", "L = mean -log softmax(logits)[target]", [[n, ax.vocab], [n]], [],
+            CROSS_ENTROPY_FLOPS * B * T * config.vocab_size, module="", training_only=True, elem_size=4,
+            note="cross-entropy in float32; targets == -100 ignored")
+    return ops
+
+
+def _with_totals(model, ax: _Axes, dtype, ops: list[Op]) -> dict:
+    config = model.config
+    size = torch.empty(0, dtype=dtype).element_size()
+    forward = sum(op.flops for op in ops)
+    tokens = ax.B * ax.T
+    kv_per_token = 2 * config.n_layer * config.n_embd * size  # K and V, every layer, per position per sequence
+    resid = ax.B * ax.T * config.n_embd * size
+    if ax.mode == "training":
+        # autograd keeps (roughly) every op's output for the backward pass
+        peak = sum(op.activation_bytes for op in ops if op.allocates)
+    else:
+        # inference frees as it goes: the largest op's inputs and output, plus the residual stream
+        peak = resid + max(sum(_numel(s) for s in op.input_shapes) * size + op.activation_bytes
+                           for op in ops if op.allocates)
+    sheet = {
+        "model": getattr(model, "inspect_source", None),
+        "mode": ax.mode,
+        "batch": ax.B,
+        "seq": ax.T,
+        "past": ax.P,
+        "dtype": str(dtype).removeprefix("torch."),
+        "config": config.to_dict(),
+        "total_parameters": sum(op.parameters for op in ops),
+        "ops": [asdict(op) for op in ops],
+        "forward_flops": forward,
+        "forward_flops_per_token": forward // tokens,
+        "training_flops_per_token": 3 * forward // tokens if ax.mode == "training" else None,
+        "kv_cache_bytes_per_token": kv_per_token,
+        "kv_cache_bytes_before": ax.B * ax.P * kv_per_token if ax.mode in ("prefill", "decode") else 0,
+        "kv_cache_bytes_after": ax.B * (ax.P + ax.T) * kv_per_token if ax.mode in ("prefill", "decode") else 0,
+        "peak_activation_bytes": peak,
+    }
+    return sheet
+
+
+def build_model(model_or_preset: str) -> nn.Module:
+    """A GPT on the meta device (no memory for weights): from a preset name, or a path/hub name's config."""
+    from pathlib import Path
+
+    from gpt2.config import PRESETS
+    from gpt2.model import GPT
+    key = model_or_preset.removeprefix("openai-community/")
+    if key in PRESETS and not Path(model_or_preset).exists():
+        config, source = GPTConfig.preset(key), f"preset {key}"
+    else:
+        from gpt2.weights import read_config, resolve_directory
+        directory = resolve_directory(model_or_preset)
+        config, _ = read_config(directory)
+        source = str(directory)
+    with torch.device("meta"):
+        model = GPT(config)
+    model.inspect_source = source
+    return model
+
+
+def inspect_model(model_or_preset: str, mode: str = "full", batch: int = 1, seq: int | None = None,
+                  past: int | None = None, dtype: str = "float32") -> dict:
+    """The sheet of a preset or a model directory/hub name, without reading any weights."""
+    return architecture_sheet(build_model(model_or_preset), mode, batch, seq, past, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# formats
+# ---------------------------------------------------------------------------------------------
+
+def shape_str(shape: list[int], axes: list[str]) -> str:
+    """[B=2 batch, 12 heads, T=5 queries, T=5 keys]: symbolic axes get their value, fixed ones are numbers."""
+    parts = []
+    for size, label in zip(shape, axes):
+        symbol, _, name = label.partition(" ")
+        parts.append(label if symbol.isdigit() else f"{symbol}={size} {name}")
+    return "[" + ", ".join(parts) + "]"
+
+
+def _human(n: float, unit: str = "") -> str:
+    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {suffix}{unit}"
+    return f"{n:.0f} {unit}".rstrip()
+
+
+def _bytes(n: int) -> str:
+    for scale, suffix in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= scale:
+            return f"{n / scale:.2f} {suffix}"
+    return f"{n} B"
+
+
+def _flags(op: dict) -> str:
+    flags = []
+    if op["training_only"]:
+        flags.append("training only" + (" (identity here)" if op["identity"] else ""))
+    if op["note"] and not op["identity"]:
+        flags.append(op["note"])
+    return "; ".join(flags)
+
+
+def _summary_lines(sheet: dict) -> list[str]:
+    c = sheet["config"]
+    lines = [
+        f"model: {sheet['model'] or 'GPT'}  (n_layer={c['n_layer']}, n_head={c['n_head']}, n_embd={c['n_embd']}, "
+        f"vocab_size={c['vocab_size']}, n_positions={c['n_positions']})",
+        f"mode: {sheet['mode']}  B={sheet['batch']}  T={sheet['seq']}  P={sheet['past']}  dtype={sheet['dtype']}",
+        f"parameters: {sheet['total_parameters']:,}",
+        f"forward FLOPs: {sheet['forward_flops']:,} ({_human(sheet['forward_flops'], 'FLOP')}); "
+        f"per token: {sheet['forward_flops_per_token']:,}",
+    ]
+    if sheet["training_flops_per_token"]:
+        lines.append(f"training FLOPs per token (forward + backward, about 3x): {sheet['training_flops_per_token']:,}")
+    lines.append(f"KV cache per token: {sheet['kv_cache_bytes_per_token']:,} bytes (2 * n_layer * n_embd * "
+                 f"{sheet['kv_cache_bytes_per_token'] // (2 * c['n_layer'] * c['n_embd'])})")
+    if sheet["mode"] in ("prefill", "decode"):
+        lines.append(f"KV cache: {sheet['past']} -> {sheet['past'] + sheet['seq']} positions, "
+                     f"{_bytes(sheet['kv_cache_bytes_before'])} -> {_bytes(sheet['kv_cache_bytes_after'])}")
+    lines.append(f"peak activation memory (estimate): {_bytes(sheet['peak_activation_bytes'])}")
+    return lines
+
+
+def _tensor_names(op: dict) -> str:
+    """weight[2304,768] bias[2304]: the op's parameter tensors, short names, tied ones marked."""
+    names = []
+    for t in op["parameter_tensors"]:
+        short = t["name"].removeprefix("transformer.") if op["block"] is None else t["name"].rsplit(".", 1)[-1]
+        names.append(short + "[" + ",".join(map(str, t["shape"])) + "]" + ("=wte" if "tied_to" in t else ""))
+    return " ".join(names)
+
+
+def _rows(sheet: dict) -> list[list[str]]:
+    rows = []
+    for n, op in enumerate(sheet["ops"]):
+        name = op["name"] + (f" ({op['module'].split('.')[-2]})" if op["name"] == "c_proj" else "")  # attn or mlp
+        rows.append([str(n), "" if op["block"] is None else str(op["block"]), name,
+                     shape_str(op["output_shape"], op["axes"]), _tensor_names(op),
+                     f"{op['parameters']:,}" if op["parameters"] else "",
+                     f"{op['flops']:,}", _bytes(op["activation_bytes"]), _flags(op)])
+    return rows
+
+
+HEADER = ["#", "block", "op", "output shape", "parameter tensors", "params", "FLOPs", "output bytes", "notes"]
+
+
+def format_text(sheet: dict) -> str:
+    rows = [HEADER] + _rows(sheet)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
+    right = {0, 1, 5, 6, 7}
+    lines = _summary_lines(sheet) + [""]
+    for r in rows:
+        lines.append("  ".join(cell.rjust(w) if i in right else cell.ljust(w)
+                               for i, (cell, w) in enumerate(zip(r, widths))).rstrip())
+    return "\n".join(lines)
+
+
+def format_markdown(sheet: dict) -> str:
+    lines = [f"- {line}" for line in _summary_lines(sheet)] + [""]
+    lines.append("| " + " | ".join(HEADER) + " |")
+    lines.append("|" + "|".join(" --- " for _ in HEADER) + "|")
+    for r in _rows(sheet):
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in r) + " |")
+    return "\n".join(lines)
+
+
+def format_json(sheet: dict) -> str:
+    return json.dumps(sheet)
+
+
+# Distinctive colours: the diagram and the table rows share them (the HTML test looks for them).
+COLORS = {
+    "embedding": "#8e44ad", "layernorm": "#f1a208", "attention": "#1f6fd1", "mlp": "#d7263d",
+    "dropout": "#8a8a8a", "add": "#1b998b", "head": "#5b5f97", "loss": "#333333", "cache": "#1f6fd1",
+}
+
+
+def _box(x, y, w, h, kind, title, sub="", dashed=False) -> str:
+    dash = ' stroke-dasharray="6 4"' if dashed else ""
+    fill = "#ececec" if kind == "dropout" else COLORS[kind]
+    color = "#333" if kind == "dropout" else "#fff"
+    return (f'<rect x="{x}" y="{y}" width="{w}" height="{h}" rx="8" fill="{fill}" stroke="{COLORS[kind]}" '
+            f'stroke-width="2"{dash}/>'
+            f'<text x="{x + w / 2}" y="{y + h / 2 - (6 if sub else -5)}" fill="{color}" text-anchor="middle" '
+            f'font-size="15" font-weight="600">{html.escape(title)}</text>'
+            + (f'<text x="{x + w / 2}" y="{y + h / 2 + 14}" fill="{color}" text-anchor="middle" '
+               f'font-size="12">{html.escape(sub)}</text>' if sub else ""))
+
+
+def _block_diagram(sheet: dict) -> str:
+    """x -> LayerNorm 1 -> Attention -> Dropout -> + -> LayerNorm 2 -> MLP -> Dropout -> +, with residual bypasses."""
+    c = sheet["config"]
+    train = sheet["mode"] == "training"
+    ops = {op["name"]: op for op in sheet["ops"] if op["block"] == 0}
+    xs = shape_str(ops["ln_1"]["input_shapes"][0], ops["ln_1"]["input_axes"][0])
+    y, h, w, gap = 90, 64, 118, 22
+    parts, x = [], 20
+    arrow = '<line x1="{}" y1="{}" x2="{}" y2="{}" stroke="#444" stroke-width="2" marker-end="url(#arrow)"/>'
+    parts.append(f'<text x="{x}" y="{y + h / 2 + 5}" font-size="16" font-weight="600">x</text>')
+    x += 24
+    items = [("layernorm", "LayerNorm 1", "gain, bias"),
+             ("attention", "Attention", f"{c['n_head']} heads"),
+             ("dropout", "Dropout", "p_resid" if train else "identity"),
+             ("add", "+", ""),
+             ("layernorm", "LayerNorm 2", "gain, bias"),
+             ("mlp", "MLP", f"{c['n_embd']}->{c['n_inner'] or 4 * c['n_embd']}->{c['n_embd']}"),
+             ("dropout", "Dropout", "p_resid" if train else "identity"),
+             ("add", "+", "")]
+    centers = []
+    for kind, title, sub in items:
+        parts.append(arrow.format(x, y + h / 2, x + gap - 2, y + h / 2))
+        x += gap
+        if kind == "add":
+            parts.append(f'<circle cx="{x + 20}" cy="{y + h / 2}" r="20" fill="{COLORS["add"]}"/>'
+                         f'<text x="{x + 20}" y="{y + h / 2 + 7}" fill="#fff" text-anchor="middle" '
+                         f'font-size="22" font-weight="700">+</text>')
+            centers.append(x + 20)
+            x += 40
+        else:
+            parts.append(_box(x, y, w, h, kind, title, sub, dashed=kind == "dropout"))
+            x += w
+    parts.append(arrow.format(x, y + h / 2, x + gap, y + h / 2))
+    parts.append(f'<text x="{x + gap + 6}" y="{y + h / 2 + 5}" font-size="16" font-weight="600">x next</text>')
+    # residual bypasses: from before LayerNorm 1 to the first +, from after it to the second +
+    for start, end in ((44 + 10, centers[0]), (centers[0] + 10, centers[1])):
+        parts.append(f'<path d="M {start} {y + h / 2} V {y - 40} H {end} V {y + h / 2 - 20}" fill="none" '
+                     f'stroke="{COLORS["add"]}" stroke-width="3" marker-end="url(#arrow)"/>'
+                     f'<text x="{(start + end) / 2}" y="{y - 46}" text-anchor="middle" font-size="12" '
+                     f'fill="{COLORS["add"]}">residual bypass</text>')
+    parts.append(f'<text x="20" y="{y + h + 40}" font-size="13" fill="#444">one block, repeated '
+                 f'{c["n_layer"]}x; x is {html.escape(xs)}</text>')
+    width = x + gap + 80
+    # the whole model as a strip
+    my, mh, mw = y + h + 70, 46, 150
+    strip = [("embedding", "wte + wpe"), ("dropout", "Dropout"), ("attention", f"{c['n_layer']} x block"),
+             ("layernorm", "ln_f"), ("head", "lm_head")]
+    mx = 20
+    for kind, title in strip:
+        parts.append(_box(mx, my, mw, mh, kind, title, dashed=kind == "dropout"))
+        mx += mw
+        if title != "lm_head":
+            parts.append(arrow.format(mx, my + mh / 2, mx + 28, my + mh / 2))
+            mx += 30
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{max(width, mx + 20)}" height="{my + mh + 20}" '
+            f'font-family="sans-serif"><defs><marker id="arrow" markerWidth="10" markerHeight="10" refX="9" '
+            f'refY="5" orient="auto" markerUnits="userSpaceOnUse"><path d="M0,0 L10,5 L0,10 z" fill="#444"/></marker></defs>'
+            + "".join(parts) + "</svg>")
+
+
+def format_html(sheet: dict) -> str:
+    """One self-contained page: inline CSS and SVG, no external resources."""
+    rows = []
+    for n, op in enumerate(sheet["ops"]):
+        inputs = "<br>".join(html.escape(shape_str(s, a)) for s, a in zip(op["input_shapes"], op["input_axes"]))
+        params = "<br>".join(
+            html.escape(f"{t['name']} {t['shape']}" + (f" (tied to {t['tied_to']})" if "tied_to" in t else ""))
+            for t in op["parameter_tensors"]) or "none"
+        cls = " class=\"train\"" if op["training_only"] else ""
+        rows.append(
+            f'<tr{cls}><td style="border-left:6px solid {COLORS[op["kind"]]}">{n}</td>'
+            f'<td>{"" if op["block"] is None else op["block"]}</td><td><b>{html.escape(op["name"])}</b></td>'
+            f'<td class="f">{html.escape(op["formula"])}</td><td class="s">{inputs}</td>'
+            f'<td class="s">{html.escape(shape_str(op["output_shape"], op["axes"]))}</td>'
+            f'<td class="s">{params}</td><td class="n">{op["parameters"]:,}</td><td class="n">{op["flops"]:,}</td>'
+            f'<td class="n">{_bytes(op["activation_bytes"])}</td><td>{html.escape(_flags(op))}</td></tr>')
+    summary = "".join(f"<li>{html.escape(line)}</li>" for line in _summary_lines(sheet))
+    title = f"GPT-2 architecture sheet: {sheet['model'] or 'GPT'}, {sheet['mode']}"
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>
+body {{ font-family: sans-serif; margin: 24px; color: #222; }}
+h1 {{ font-size: 22px; }} ul {{ font-size: 14px; }}
+table {{ border-collapse: collapse; font-size: 12px; }}
+th, td {{ border-bottom: 1px solid #ddd; padding: 3px 8px; vertical-align: top; text-align: left; }}
+th {{ background: #f4f4f4; position: sticky; top: 0; }}
+td.n {{ text-align: right; font-variant-numeric: tabular-nums; }}
+td.s, td.f {{ font-family: monospace; }}
+tr.train td {{ background: #fff6e0; }}
+</style></head><body>
+<h1>{html.escape(title)}</h1>
+<ul>{summary}</ul>
+{_block_diagram(sheet)}
+<table><thead><tr><th>#</th><th>block</th><th>op</th><th>formula</th><th>in</th><th>out</th>
+<th>parameter tensors</th><th>params</th><th>FLOPs</th><th>output bytes</th><th>notes</th></tr></thead>
+<tbody>{"".join(rows)}</tbody></table>
+</body></html>
+"""
+
+
+FORMATTERS = {"text": format_text, "markdown": format_markdown, "json": format_json, "html": format_html}

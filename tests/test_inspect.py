@@ -1,0 +1,346 @@
+"""The architecture sheet against the real model: shapes observed by hooks, FLOPs by FlopCounterMode.
+
+    .venv/bin/pytest tests/test_inspect.py -q
+
+Every test runs a real GPT.forward (on CPU for a tiny config, on the meta device for the 124M preset,
+which propagates shapes without allocating weights) in the mode the sheet describes, records what
+each module and each torch function inside it received and returned, and compares with the sheet.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from gpt2 import GPT, ConfigError, ContextLengthError, GPTConfig, KVCache
+from gpt2.cli import main
+from gpt2.inspect import COLORS, architecture_sheet, format_html, format_markdown, format_text, inspect_model
+
+TINY = GPTConfig(n_layer=2, n_head=4, n_embd=32, n_positions=32, vocab_size=101)
+# (mode, B, T, P): prefill into an empty cache, and a chunk after 3 cached positions
+CASES = [("full", 2, 5, 0), ("training", 2, 5, 0), ("prefill", 2, 5, 0), ("prefill", 2, 4, 3), ("decode", 2, 1, 6)]
+
+
+def _shape(x):
+    return list(x.shape) if isinstance(x, torch.Tensor) else None
+
+
+class Recorder(TorchFunctionMode):
+    """Every torch function called directly inside each module (innermost), and every module's in/out."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.stack, self.calls, self.modules, self.order = [""], [], {}, []
+        for name, module in model.named_modules():
+            module.register_forward_pre_hook(lambda m, a, name=name: self.stack.append(name))
+            module.register_forward_hook(lambda m, a, out, name=name: self._done(name, a, out))
+
+    def _done(self, name, args, out):
+        self.stack.pop()
+        self.modules.setdefault(name, []).append(([_shape(a) for a in args if _shape(a) is not None], _shape(out)))
+        self.order.append(name)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat = [a for a in args if isinstance(a, torch.Tensor)]
+        outs = [_shape(o) for o in out] if isinstance(out, (tuple, list)) else _shape(out)
+        self.calls.append((self.stack[-1], getattr(func, "__name__", str(func)), [_shape(a) for a in flat], outs))
+        return out
+
+    def in_module(self, name, func):
+        return [(ins, out) for where, f, ins, out in self.calls if where == name and f == func]
+
+
+def run_recorded(model, mode, B, T, P):
+    """One real forward in `mode`, explicit attention (so scores, mask and softmax are separate calls)."""
+    for block in model.transformer.h:
+        block.attn.use_sdpa = False
+    model.train(mode == "training")
+    device = model.transformer.wte.weight.device
+    idx = torch.randint(0, model.config.vocab_size, (B, T), device=device) if device.type != "meta" \
+        else torch.empty(B, T, dtype=torch.long, device="meta")
+    rec, cache_updates = Recorder(model), []
+    with rec:
+        if mode in ("full", "training"):
+            out = model(idx, targets=idx if mode == "training" else None)
+        else:
+            cache = KVCache.for_model(model, batch_size=B, capacity=min(P + T + 2, model.config.n_positions))
+            cache.advance(P)  # P positions already cached (their values do not matter for shapes)
+            update = cache.update
+
+            def recording_update(layer, k, v):
+                keys, values = update(layer, k, v)
+                cache_updates.append(([_shape(k), _shape(v)], [2] + _shape(keys), _shape(values)))
+                return keys, values
+            cache.update = recording_update
+            out = model(idx, cache=cache, last_logits_only=mode == "prefill")
+            assert cache.pos == P + T
+    return rec, cache_updates, out
+
+
+def observed(op, rec, cache_updates, block_seen):
+    """(input shapes, output shape) of one sheet op, as the real forward produced them."""
+    name, i = op["name"], op["block"]
+    h = f"transformer.h.{i}"
+    k = block_seen.setdefault((name, i), 0)
+    block_seen[(name, i)] += 1
+
+    def module(fqn):
+        (ins, out), = rec.modules[fqn]
+        return ins, out
+    if name == "embedding":
+        return [module("transformer.wte")[0][0], module("transformer.wpe")[0][0]], module("transformer.drop")[0][0]
+    if name == "embedding dropout":
+        return module("transformer.drop")
+    if name in ("ln_1", "ln_2"):
+        return module(f"{h}.{name}")
+    if name == "qkv projection":
+        return module(f"{h}.attn.c_attn")
+    attn = lambda f: rec.in_module(f"{h}.attn", f)  # noqa: E731
+    if name == "head split":
+        transposes = attn("transpose")[:3]
+        outs = [out for _, out in transposes]
+        assert outs[0] == outs[1] == outs[2]
+        return [module(f"{h}.attn.c_attn")[1]], [3] + outs[0]
+    if name == "kv cache append":
+        ins, keys, values = cache_updates[i]
+        assert keys[1:] == values
+        return ins, keys
+    if name == "scores":
+        (q, kt), out = attn("matmul")[0]
+        (_, scaled), = [(ins, o) for ins, o in attn("mul")]
+        assert scaled == out
+        return [q, kt[:-2] + [kt[-1], kt[-2]]], out
+    if name == "causal mask":
+        (scores, mask), out = attn("masked_fill")[0]
+        if mask is None:  # mask built by the explicit path itself: ~tril(...)
+            mask = attn("__invert__")[0][1]
+        return [scores, mask], out
+    if name == "softmax":
+        return attn("softmax")[0]
+    if name == "attention-weight dropout":
+        return module(f"{h}.attn.attn_dropout")
+    if name == "weighted sum":
+        return attn("matmul")[1]
+    if name == "head merge":
+        merge_in = attn("transpose")[-1][0]
+        return merge_in, attn("view")[-1][1]
+    if name == "c_proj":
+        return module(f"{h}.attn.c_proj" if k == 0 else f"{h}.mlp.c_proj")
+    if name == "residual dropout":
+        return module(f"{h}.attn.resid_dropout")
+    if name == "residual add":
+        return rec.in_module(h, "add")[k]
+    if name == "c_fc":
+        return module(f"{h}.mlp.c_fc")
+    if name in ("GELU", "ReLU"):
+        return rec.in_module(f"{h}.mlp", "gelu" if name == "GELU" else "relu")[0]
+    if name == "MLP dropout":
+        return module(f"{h}.mlp.dropout")
+    if name == "ln_f":
+        return module("transformer.ln_f")
+    if name == "lm_head":
+        return module("lm_head")
+    if name == "loss":
+        return rec.in_module("", "cross_entropy")[0]
+    raise AssertionError(f"the test does not know op {name!r}")
+
+
+def check_shapes(model, mode, B, T, P):
+    sheet = architecture_sheet(model, mode, batch=B, seq=T, past=P)
+    rec, cache_updates, out = run_recorded(model, mode, B, T, P)
+    seen = {}
+    for op in sheet["ops"]:
+        ins, out_shape = observed(op, rec, cache_updates, seen)
+        where = f"{mode} op {op['name']!r} block {op['block']}"
+        assert op["output_shape"] == out_shape, where
+        assert op["input_shapes"] == ins, where
+        assert len(op["axes"]) == len(op["output_shape"]), where
+    # every module with a forward ran, in the sheet's order
+    module_order = [op["module"] for op in sheet["ops"] if op["module"] in rec.modules and "." in op["module"]
+                    and not op["module"].endswith(("attn", "mlp")) and not op["module"].split(".")[-1].isdigit()]
+    ran = [m for m in rec.order if m in set(module_order) and m != "transformer.wpe"]
+    assert [m for m in module_order if m != "transformer.wpe"] == ran
+    # a training-only op is exactly a dropout or the loss, and in eval modes dropout is the identity
+    for op in sheet["ops"]:
+        assert op["training_only"] == (op["kind"] in ("dropout", "loss"))
+        assert op["identity"] == (op["kind"] == "dropout" and mode != "training")
+    if mode == "training":
+        assert out.shape == torch.Size([]) and sheet["ops"][-1]["name"] == "loss"
+    return sheet
+
+
+@pytest.mark.parametrize("mode,B,T,P", CASES)
+def test_tiny_shapes_match_hooks(mode, B, T, P):
+    torch.manual_seed(0)
+    check_shapes(GPT(TINY), mode, B, T, P)
+
+
+@pytest.mark.parametrize("mode,B,T,P", [("full", 1, 16, 0), ("training", 2, 8, 0), ("prefill", 1, 9, 0),
+                                        ("decode", 2, 1, 1023)])
+def test_gpt2_preset_shapes_match_hooks_on_meta(mode, B, T, P):
+    with torch.device("meta"):
+        model = GPT(GPTConfig.preset("gpt2"))
+    sheet = check_shapes(model, mode, B, T, P)
+    if mode == "decode":
+        scores = next(op for op in sheet["ops"] if op["name"] == "scores")
+        assert scores["output_shape"] == [2, 12, 1, 1024]
+        assert scores["axes"] == ["B batch", "12 heads", "1 query", "P+1 keys"]
+        cache = next(op for op in sheet["ops"] if op["name"] == "kv cache append")
+        assert cache["output_shape"] == [2, 2, 12, 1024, 64]
+        assert sheet["kv_cache_bytes_after"] - sheet["kv_cache_bytes_before"] == 2 * sheet["kv_cache_bytes_per_token"]
+
+
+def test_preset_totals():
+    sheet = inspect_model("gpt2", "full", batch=1, seq=1024)
+    assert sheet["total_parameters"] == 124_439_808
+    with torch.device("meta"):
+        model = GPT(GPTConfig.preset("gpt2"))
+    assert sum(op["parameters"] for op in sheet["ops"]) == model.num_parameters()
+    # every parameter tensor of the module tree is named by exactly one op (lm_head as tied to wte)
+    named = [t["name"] for op in sheet["ops"] for t in op["parameter_tensors"] if "tied_to" not in t]
+    assert sorted(named) == sorted(n for n, _ in model.named_parameters())
+    assert sheet["kv_cache_bytes_per_token"] == 2 * 12 * 768 * 4
+    assert inspect_model("gpt2", "decode", dtype="bfloat16")["kv_cache_bytes_per_token"] == 2 * 12 * 768 * 2
+    # forward FLOPs per token are about 2 per parameter plus attention over the context (Kaplan et al.)
+    n_non_embedding = 12 * 12 * 768 ** 2
+    approx = 2 * n_non_embedding + 2 * 12 * 1024 * 768 + 2 * 768 * 50257
+    assert 0.95 < sheet["forward_flops_per_token"] / approx < 1.1
+    training = inspect_model("gpt2", "training", batch=1, seq=1024)
+    assert training["training_flops_per_token"] == 3 * training["forward_flops"] // 1024
+    assert training["peak_activation_bytes"] > sheet["peak_activation_bytes"]
+    for big in ("gpt2-medium", "gpt2-large", "gpt2-xl"):
+        with torch.device("meta"):
+            assert inspect_model(big, "decode")["total_parameters"] == GPT(GPTConfig.preset(big)).num_parameters()
+
+
+@pytest.mark.parametrize("mode,B,T,P", CASES)
+def test_matmul_flops_match_flop_counter(mode, B, T, P):
+    """The sheet's matmul FLOPs (minus its bias adds and score scaling) against torch's FlopCounterMode."""
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    for block in model.transformer.h:
+        block.attn.use_sdpa = False
+    model.train(mode == "training")
+    sheet = architecture_sheet(model, mode, batch=B, seq=T, past=P)
+    idx = torch.randint(0, TINY.vocab_size, (B, T))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        if mode in ("full", "training"):
+            model(idx, targets=idx if mode == "training" else None)
+        else:
+            cache = KVCache.for_model(model, batch_size=B, capacity=P + T)
+            cache.advance(P)
+            model(idx, cache=cache, last_logits_only=mode == "prefill")
+    counts = {name: sum(per_op.values()) for name, per_op in counter.get_flop_counts().items()}
+    ops = sheet["ops"]
+
+    def bias_adds(op):
+        return sum(1 for t in op["parameter_tensors"] if t["name"].endswith("bias")) * \
+            torch.Size(op["output_shape"]).numel() if op["kind"] in ("attention", "mlp") else 0
+
+    for i in range(TINY.n_layer):
+        block = [op for op in ops if op["block"] == i]
+        by_module = {}
+        for op in block:
+            if op["name"] in ("qkv projection", "c_proj", "c_fc"):
+                by_module[op["module"]] = op["flops"] - bias_adds(op)
+        for module, flops in by_module.items():
+            assert counts[f"GPT.{module}"] == flops, module
+        attention = [op for op in block if op["name"] in ("scores", "weighted sum")]
+        scaling = torch.Size(attention[0]["output_shape"]).numel()
+        inner = counts[f"GPT.transformer.h.{i}.attn"] - counts[f"GPT.transformer.h.{i}.attn.c_attn"] \
+            - counts[f"GPT.transformer.h.{i}.attn.c_proj"]
+        assert inner == sum(op["flops"] for op in attention) - scaling
+    lm_head = next(op for op in ops if op["name"] == "lm_head")
+    assert counts["GPT.lm_head"] == lm_head["flops"]
+    matmul_ops = ("qkv projection", "c_proj", "c_fc", "scores", "weighted sum", "lm_head")
+    assert counter.get_total_flops() <= sum(op["flops"] for op in ops if op["name"] in matmul_ops)
+
+
+def test_errors():
+    with pytest.raises(ConfigError):
+        inspect_model("gpt2", "decode", seq=4)
+    with pytest.raises(ConfigError):
+        inspect_model("gpt2", "full", seq=4, past=2)
+    with pytest.raises(ContextLengthError):
+        inspect_model("gpt2", "prefill", seq=1000, past=100)
+    with pytest.raises(ConfigError):
+        inspect_model("gpt2", "sideways")
+
+
+def test_cli_json_contract(capsys):
+    assert main(["inspect", "gpt2", "--mode", "decode", "--batch", "1", "--past", "1023", "--format", "json"]) == 0
+    sheet = json.loads(capsys.readouterr().out)
+    assert sheet["total_parameters"] == 124_439_808 and sheet["mode"] == "decode"
+    assert len(sheet["ops"]) == 2 + 12 * 19 + 2  # the 18 ops of a block, plus the KV-cache append in decode
+    for op in sheet["ops"]:
+        assert isinstance(op["name"], str) and (op["block"] is None or isinstance(op["block"], int))
+        assert all(isinstance(s, list) and all(isinstance(n, int) for n in s) for s in op["input_shapes"])
+        assert all(isinstance(n, int) for n in op["output_shape"]) and all(isinstance(a, str) for a in op["axes"])
+        assert isinstance(op["parameters"], int) and isinstance(op["flops"], int)
+        assert isinstance(op["training_only"], bool)
+    for key in ("forward_flops_per_token", "kv_cache_bytes_per_token", "peak_activation_bytes"):
+        assert isinstance(sheet[key], int)
+    assert main(["inspect", "gpt2", "--mode", "decode", "--seq", "3"]) == 2
+    assert "decode adds one token" in capsys.readouterr().err
+
+
+def test_cli_reads_a_model_directory_config(tmp_path, capsys):
+    config = GPTConfig(n_layer=3, n_head=2, n_embd=16, n_positions=64, vocab_size=77)
+    (tmp_path / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    assert main(["inspect", str(tmp_path), "--mode", "prefill", "--seq", "7", "--format", "json"]) == 0
+    sheet = json.loads(capsys.readouterr().out)
+    assert sheet["config"]["n_layer"] == 3 and sheet["total_parameters"] == GPT(config).num_parameters()
+
+
+def test_text_and_markdown_list_every_op():
+    sheet = inspect_model("gpt2", "training", batch=2, seq=64)
+    text, markdown = format_text(sheet), format_markdown(sheet)
+    assert "124,439,808" in text and "training FLOPs per token" in text
+    assert len(markdown.splitlines()) >= len(sheet["ops"]) + 2
+    assert "[B=2 batch, 12 heads, T=64 queries, T=64 keys]" in text
+
+
+def _png_pixels(path):
+    import matplotlib.image
+    return (matplotlib.image.imread(path)[..., :3] * 255).round().astype(int)
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed (Debian package: chromium)")
+def test_html_renders_block_diagram_in_chromium(tmp_path):
+    page = tmp_path / "sheet.html"
+    html_text = format_html(inspect_model("gpt2", "decode", past=1023))
+    assert "http://" not in html_text.replace('xmlns="http://www.w3.org/2000/svg"', "")
+    assert "https://" not in html_text and "<script" not in html_text
+    page.write_text(html_text)
+    png = tmp_path / "out.png"
+    subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                    f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={png}", "--window-size=1400,1000",
+                    page.as_uri()], check=True, capture_output=True, timeout=90)
+    pixels = _png_pixels(png)
+    assert pixels.shape[:2] == (1000, 1400)
+
+    def count(color):
+        rgb = [int(color[i:i + 2], 16) for i in (1, 3, 5)]
+        return int((abs(pixels - rgb).sum(-1) <= 6).sum())
+    # the block diagram's boxes: LayerNorm x2, Attention, MLP, residual adds, all drawn as solid fills
+    for kind in ("layernorm", "attention", "mlp", "add", "embedding"):
+        assert count(COLORS[kind]) > 2000, kind
+    # LayerNorm 1 | Attention | Dropout | + | LayerNorm 2 | MLP: the boxes appear left to right in this order
+    hits = {kind: abs(pixels - [int(COLORS[kind][i:i + 2], 16) for i in (1, 3, 5)]).sum(-1) <= 6
+            for kind in ("layernorm", "attention", "mlp")}
+    row = next(y for y in range(pixels.shape[0]) if all(hit[y].any() for hit in hits.values()))  # the block's row
+    first = {kind: hit[row].nonzero()[0].min() for kind, hit in hits.items()}
+    assert first["layernorm"] < first["attention"] < first["mlp"]
+    assert hits["layernorm"][row, first["attention"]:first["mlp"]].any()  # LayerNorm 2, between them
