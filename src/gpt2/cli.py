@@ -375,11 +375,35 @@ def _generate_text(model, tok, prompt: str, cfg, num_samples: int, seed, stop: l
 
 
 # ---------------------------------------------------------------------------------------------
+# serve (server.py)
+# ---------------------------------------------------------------------------------------------
+
+def add_serve_parser(sub):
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions) with continuous batching")
+    p.add_argument("--model", required=True, help="Hugging Face directory, hub name (gpt2, ...) or our checkpoint")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together (1: one at a time)")
+    p.add_argument("--max-queue", type=int, default=64, help="sequences waiting for a slot before requests get 429")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "int8"], default="float32")
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args):
+    from gpt2.server import ServerConfig, serve
+    serve(ServerConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
+                       max_batch=args.max_batch, max_queue=args.max_queue, dtype=args.dtype, device=args.device))
+
+
+# ---------------------------------------------------------------------------------------------
 # entry point
 # ---------------------------------------------------------------------------------------------
 
 PARSERS = [
     add_generate_parser,
+    add_serve_parser,
     add_train_parser,
     add_info_parser,
     add_convert_parser,
