@@ -1,0 +1,354 @@
+"""The inference engine: prefill, then decode with a preallocated KV cache. It knows only token ids.
+
+    from gpt2 import GPT, generate, stream
+    model = GPT.from_pretrained("gpt2")                       # dtype=torch.bfloat16 for bf16 compute
+    new_ids = generate(model, [[464, 3290], [15496]], max_new_tokens=32, temperature=0.8, top_k=50, seed=0)
+    for step in stream(model, prompts, max_new_tokens=32):   # step: one id (or None once done) per row
+        ...
+
+    gpt2 generate --model gpt2 "Hello, my dog" --max-new-tokens 40 --stream   # the text edge (cli.py)
+
+How a batch runs:
+  1. Prompts of different lengths are LEFT-padded to P tokens, with an attention mask (B, P + N) that
+     is 0 on padding; the model derives positions as cumsum(mask) - 1, as Transformers does. Equal
+     lengths need no mask at all (plain causal attention, the fastest path).
+  2. Prefill: one forward over (B, P) that fills the cache and computes the lm_head for the last
+     position only.
+  3. Decode: one forward per step over (B, 1). The cache and the mask are allocated once, before
+     prefill; each step only slices them.
+  4. Each row stops on its own (EOS, stop ids, the caller's `finish(row)`, e.g. on a stop string);
+     the batch stops when every row has.
+
+Sampling lives in sampling.py as pure functions. `generate_naive` is the uncached reference
+(a full forward over the whole sequence every step) that the tests compare the fast path against.
+Stop strings are text, so they are matched at the edges with `TextStream`, which takes the
+tokenizer's incremental decoder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from gpt2.errors import ConfigError, ContextLengthError
+from gpt2.kv_cache import KVCache
+from gpt2.sampling import SamplingConfig, next_tokens
+
+GPT2_EOT = 50256  # <|endoftext|> in GPT-2's vocabulary
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 64
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    seed: int | list[int] | None = None      # int: one generator for the batch; list: one per row
+    stop_token_ids: list[int] | None = None  # besides EOS; a stop token is not part of the output
+    ignore_eos: bool = False                 # EOS is <|endoftext|> when the vocabulary is GPT-2's
+    truncate: str | None = None              # None: a too-long prompt is an error; "left": keep its end
+
+
+def make_config(max_new_tokens=64, temperature=0.0, top_k=None, top_p=None, seed=None, stop_token_ids=None, *,
+                min_p=None, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, logit_bias=None,
+                ignore_eos=False, truncate=None) -> GenerationConfig:
+    """The keyword arguments of generate/stream as one GenerationConfig."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
+    if truncate not in (None, "left"):
+        raise ConfigError(f"truncate must be None or 'left', got {truncate!r}")
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                              repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                              presence_penalty=presence_penalty, logit_bias=dict(logit_bias or {}))
+    return GenerationConfig(max_new_tokens, sampling, seed, list(stop_token_ids or []), ignore_eos, truncate)
+
+
+def load_for_inference(name_or_path, dtype: str = "float32", device=None):
+    """A model ready for generate: float32, bfloat16 (oneDNN-packed linears on CPU) or int8 weight-only."""
+    from gpt2.model import GPT
+    from gpt2.quantize import pack_bf16, quantize_int8
+    if dtype not in ("float32", "bfloat16", "int8"):
+        raise ConfigError(f"dtype {dtype!r} is not supported for generation; choose float32, bfloat16 or int8")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dtype == "int8":
+        return quantize_int8(GPT.from_pretrained(name_or_path, device=device, dtype=torch.float32))
+    model = GPT.from_pretrained(name_or_path, device=device, dtype=getattr(torch, dtype))
+    return pack_bf16(model) if dtype == "bfloat16" else model
+
+
+# ---------------------------------------------------------------------------------------------
+# request preparation: pure functions
+# ---------------------------------------------------------------------------------------------
+
+def check_prompts(prompts, max_new_tokens: int, n_positions: int, vocab_size: int,
+                  truncate: str | None = None) -> list[list[int]]:
+    """Validate ids and the context limit; with truncate='left', keep the end of a too-long prompt."""
+    if not prompts or not all(isinstance(p, (list, tuple)) for p in prompts):
+        raise ConfigError("prompts must be a non-empty list of lists of token ids")
+    if max_new_tokens >= n_positions:
+        raise ContextLengthError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the "
+                                 f"context of {n_positions} tokens")
+    rows = []
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ConfigError(f"prompt {i} is empty; GPT-2 has no BOS token, start it with <|endoftext|> ({GPT2_EOT})")
+        if not all(isinstance(t, int) and 0 <= t < vocab_size for t in p):
+            raise ConfigError(f"prompt {i} holds ids outside [0, {vocab_size})")
+        if len(p) + max_new_tokens > n_positions:
+            if truncate != "left":
+                raise ContextLengthError(
+                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that is "
+                    f"{len(p) + max_new_tokens} > the context length {n_positions}. Shorten it, lower "
+                    f"max_new_tokens, or truncate the prompt from the left (truncate='left', --truncate left)")
+            p = p[len(p) + max_new_tokens - n_positions:]
+        rows.append(list(p))
+    return rows
+
+
+def left_pad(rows: list[list[int]], total: int, device=None):
+    """Ids (B, P) left-padded with 0, and a mask (B, total >= P) that is 0 on padding and 1 elsewhere."""
+    P = max(len(r) for r in rows)
+    idx = torch.zeros(len(rows), P, dtype=torch.long)
+    mask = torch.ones(len(rows), total, dtype=torch.long)
+    for i, r in enumerate(rows):
+        idx[i, P - len(r):] = torch.tensor(r, dtype=torch.long)
+        mask[i, : P - len(r)] = 0
+    return idx.to(device), mask.to(device)
+
+
+def make_generators(seed, batch_size: int, device) -> torch.Generator | list[torch.Generator]:
+    """One generator for the batch (seed None or int), or one per row (a list of seeds)."""
+    def gen(s):
+        g = torch.Generator(device=device)
+        if s is None:
+            g.seed()  # fresh entropy: sampling without a seed is not reproducible, by request
+        else:
+            g.manual_seed(int(s))
+        return g
+    if isinstance(seed, (list, tuple)):
+        if len(seed) != batch_size:
+            raise ConfigError(f"seed has {len(seed)} entries for {batch_size} prompts")
+        return [gen(s) for s in seed]
+    return gen(seed)
+
+
+def stop_ids_for(model, cfg: GenerationConfig) -> set[int]:
+    stops = set(cfg.stop_token_ids or [])
+    if not cfg.ignore_eos and model.config.vocab_size > GPT2_EOT:
+        stops.add(GPT2_EOT)
+    return stops
+
+
+class SamplingState:
+    """Per-batch tensors the samplers need: seen tokens, generated counts, dense logit bias. Allocated once."""
+
+    def __init__(self, rows: list[list[int]], cfg: SamplingConfig, vocab_size: int, device):
+        B = len(rows)
+        self.seen = self.counts = self.bias = None
+        if cfg.uses_repetition:
+            self.seen = torch.zeros(B, vocab_size, dtype=torch.bool, device=device)  # prompt + output
+            for i, r in enumerate(rows):
+                self.seen[i, torch.tensor(r, device=device)] = True
+        if cfg.uses_counts:
+            self.counts = torch.zeros(B, vocab_size, dtype=torch.float32, device=device)  # output only
+        if cfg.logit_bias:
+            self.bias = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+            for t, b in cfg.logit_bias.items():
+                if not 0 <= int(t) < vocab_size:
+                    raise ConfigError(f"logit_bias names token {t}, outside [0, {vocab_size})")
+                self.bias[int(t)] = float(b)
+
+    def record(self, ids: torch.Tensor) -> None:
+        """Count the ids (B,) just sampled."""
+        if self.seen is not None:
+            self.seen.scatter_(1, ids.view(-1, 1), True)
+        if self.counts is not None:
+            self.counts.scatter_add_(1, ids.view(-1, 1), torch.ones_like(ids, dtype=torch.float32).view(-1, 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# the fast path: prefill + cached decode
+# ---------------------------------------------------------------------------------------------
+
+class Stream:
+    """Iterator over decode steps. Each step is a list with, per row, the new id or None once it is done.
+
+    `finish(row)` stops a row from the outside (the edges call it when a stop string appears).
+    After iteration, `finish_reasons[row]` is "stop" (EOS, a stop id or finish()) or "length".
+    """
+
+    def __init__(self, model, prompts, cfg: GenerationConfig):
+        self.model = model
+        self.cfg = cfg
+        config = model.config
+        self.rows = check_prompts(prompts, cfg.max_new_tokens, config.n_positions, config.vocab_size, cfg.truncate)
+        self.finish_reasons: list[str | None] = [None] * len(self.rows)
+        self._steps = self._run()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> list[int | None]:
+        return next(self._steps)
+
+    def finish(self, row: int) -> None:
+        if self.finish_reasons[row] is None:
+            self.finish_reasons[row] = "stop"
+
+    def _run(self):
+        model, cfg, rows = self.model, self.cfg, self.rows
+        B, N = len(rows), cfg.max_new_tokens
+        if N == 0:
+            return
+        device = model.transformer.wte.weight.device
+        P = max(len(r) for r in rows)
+        padded = any(len(r) != P for r in rows)
+        # inference_mode is entered per step, never across a yield: a grad mode left on while the
+        # generator is suspended would leak into the caller's code.
+        with torch.inference_mode():
+            # Everything the loop needs is allocated here, once: cache, mask, sampler state.
+            idx, mask = left_pad(rows, P + N, device)  # mask (B, P + N); decode steps are never padding
+            cache = KVCache.for_model(model, B, P + N - 1)  # the last sampled token is never fed back
+            state = SamplingState(rows, cfg.sampling, model.config.vocab_size, device)
+            generators = None if cfg.sampling.greedy else make_generators(cfg.seed, B, device)
+            stops = stop_ids_for(model, cfg)
+            logits = model(idx, cache=cache, attention_mask=mask[:, :P] if padded else None,
+                           last_logits_only=True)[:, -1]  # (B, V)
+        for t in range(N):
+            with torch.inference_mode():
+                ids = next_tokens(logits, cfg.sampling, generators, state.seen, state.counts, state.bias)  # (B,)
+                state.record(ids)
+                step = self._bookkeep(ids.tolist(), stops, last=t == N - 1)
+            yield step
+            if all(r is not None for r in self.finish_reasons):
+                return
+            with torch.inference_mode():
+                mask_t = mask[:, : P + t + 1] if padded else None  # a view: no allocation
+                logits = model(ids.view(B, 1), cache=cache, attention_mask=mask_t)[:, -1]  # (B, V)
+
+    def _bookkeep(self, ids: list[int], stops: set[int], last: bool) -> list[int | None]:
+        out = []
+        for i, t in enumerate(ids):
+            if self.finish_reasons[i] is not None:
+                out.append(None)
+            elif t in stops:
+                self.finish_reasons[i] = "stop"
+                out.append(None)
+            else:
+                out.append(t)
+                if last:
+                    self.finish_reasons[i] = "length"
+        return out
+
+
+def stream(model, prompts: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
+           top_p=None, seed=None, stop_token_ids=None, **options) -> Stream:
+    """Yield, step by step, the new id of each row (None for rows that are done). See make_config."""
+    cfg = make_config(max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, **options)
+    return Stream(model, prompts, cfg)
+
+
+def generate(model, prompts: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
+             top_p=None, seed=None, stop_token_ids=None, **options) -> list[list[int]]:
+    """New ids of each prompt (stop tokens excluded).
+
+    options: min_p, repetition_penalty, frequency_penalty, presence_penalty, logit_bias ({id: bias}),
+    ignore_eos (EOS is <|endoftext|> for GPT-2's vocabulary), truncate ("left").
+    """
+    steps = stream(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, **options)
+    out = [[] for _ in steps.rows]
+    for step in steps:
+        for row, t in zip(out, step):
+            if t is not None:
+                row.append(t)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the reference: no cache, a full forward over the whole (padded) sequence every step
+# ---------------------------------------------------------------------------------------------
+
+@torch.inference_mode()
+def generate_naive(model, prompts: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0,
+                   top_k=None, top_p=None, seed=None, stop_token_ids=None, **options) -> list[list[int]]:
+    """What generate computes, the slow and obvious way. Tests compare the two token for token."""
+    cfg = make_config(max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, **options)
+    config = model.config
+    rows = check_prompts(prompts, cfg.max_new_tokens, config.n_positions, config.vocab_size, cfg.truncate)
+    device = model.transformer.wte.weight.device
+    B, P = len(rows), max(len(r) for r in rows)
+    seq, mask = left_pad(rows, P, device)
+    state = SamplingState(rows, cfg.sampling, config.vocab_size, device)
+    generators = None if cfg.sampling.greedy else make_generators(cfg.seed, B, device)
+    stops = stop_ids_for(model, cfg)
+    out, done = [[] for _ in rows], [False] * B
+    for _ in range(cfg.max_new_tokens):
+        logits = model(seq, attention_mask=mask)[:, -1]  # (B, V): every position recomputed
+        ids = next_tokens(logits, cfg.sampling, generators, state.seen, state.counts, state.bias)
+        state.record(ids)
+        for i, t in enumerate(ids.tolist()):
+            if not done[i]:
+                done[i] = t in stops
+                if not done[i]:
+                    out[i].append(t)
+        if all(done):
+            break
+        seq = torch.cat([seq, ids.view(B, 1)], dim=1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# text edge helper: stop strings on decoded text
+# ---------------------------------------------------------------------------------------------
+
+class TextStream:
+    """One row's text: push new ids, get the text that is safe to show; stops at the first stop string.
+
+        text = TextStream(tok.stream_decoder(), stop=["\\n\\n"])
+        for step in steps:
+            chunk = text.push(step[0])
+            if text.stopped: steps.finish(0)
+
+    decoder: an incremental decoder with push(ids) -> str and flush() -> str (the tokenizer's
+    StreamDecoder, which holds back incomplete UTF-8). Text that might be the start of a stop string
+    is held back until it is not; a stop string and everything after it is never shown.
+    """
+
+    def __init__(self, decoder, stop=()):
+        self.decoder = decoder
+        self.stop = [s for s in stop if s]
+        self.text = ""      # all text decoded so far (up to the stop string, once stopped)
+        self.shown = 0      # characters of self.text already returned
+        self.stopped = False
+
+    def push(self, ids) -> str:
+        if self.stopped or ids is None:
+            return ""
+        self.text += self.decoder.push(ids if isinstance(ids, (list, tuple)) else [ids])
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        if not self.stopped:
+            self.text += self.decoder.flush()
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        if not self.stopped and self.stop:
+            start = max(0, self.shown - max(len(s) for s in self.stop))  # a new match must end in new text
+            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                self.stopped = True
+        end = len(self.text)
+        if not self.stopped and not final:
+            end -= self._held_back()
+        out = self.text[self.shown:end]
+        self.shown = max(self.shown, end)
+        return out
+
+    def _held_back(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+        for n in range(min(len(self.text), max((len(s) for s in self.stop), default=1) - 1), 0, -1):
+            if any(s.startswith(self.text[-n:]) for s in self.stop):
+                return n
+        return 0

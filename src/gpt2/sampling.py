@@ -1,0 +1,133 @@
+"""Sampling as small pure functions on a batch of next-token logits (B, V).
+
+    from gpt2.sampling import SamplingConfig, next_tokens
+    ids = next_tokens(logits, SamplingConfig(temperature=0.8, top_k=50), generators)   # (B,)
+
+The order is Transformers' logits-processor order: penalties and logit bias on the raw logits, then
+temperature, then top-k, top-p and min-p filtering, then a draw from the softmax. Temperature 0 is
+greedy (argmax after penalties and bias) and never touches a generator, so it never depends on a seed.
+
+Randomness comes only from explicit torch.Generator objects: one for the whole batch, or one per row
+(then a row's draws do not depend on which other rows share its batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from gpt2.errors import ConfigError
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 0.0             # 0 means greedy
+    top_k: int | None = None             # keep the k most likely tokens
+    top_p: float | None = None           # keep the smallest set whose probability reaches p (nucleus)
+    min_p: float | None = None           # keep tokens with probability >= min_p * the top probability
+    repetition_penalty: float = 1.0      # CTRL's: divide positive / multiply negative logits of seen tokens
+    frequency_penalty: float = 0.0       # OpenAI's: subtract penalty * count of each generated token
+    presence_penalty: float = 0.0        # OpenAI's: subtract penalty once from every generated token
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ConfigError(f"top_k must be >= 1, got {self.top_k}")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
+            raise ConfigError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ConfigError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_repetition(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+    @property
+    def uses_counts(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL / Transformers: seen (B, V) bool marks tokens in the prompt or output so far."""
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def apply_frequency_presence(logits: torch.Tensor, counts: torch.Tensor, frequency: float, presence: float):
+    """OpenAI's penalties: counts (B, V) of each token among the generated ones."""
+    return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """bias: a dense (V,) tensor, zero except at the biased ids."""
+    return logits + bias
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    if k >= logits.size(-1):
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[:, -1:]  # (B, 1)
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus: drop the tokens outside the smallest set whose probability mass reaches p."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum - sorted_logits.softmax(dim=-1) >= p  # mass before this token already reaches p
+    drop[:, 0] = False  # always keep the most likely token
+    return logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+
+
+def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    probs = logits.softmax(dim=-1)
+    threshold = min_p * probs.max(dim=-1, keepdim=True).values  # (B, 1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator] | torch.Generator | None) -> torch.Tensor:
+    """One id per row from probs (B, V): one generator for the batch, or a list with one per row."""
+    if isinstance(generators, (list, tuple)):
+        return torch.cat([torch.multinomial(probs[i:i + 1], 1, generator=g) for i, g in enumerate(generators)]).view(-1)
+    return torch.multinomial(probs, 1, generator=generators).view(-1)
+
+
+def process_logits(logits: torch.Tensor, cfg: SamplingConfig, seen=None, counts=None, bias=None) -> torch.Tensor:
+    """Penalties, bias, temperature and filters: float32 logits (B, V) ready for argmax or softmax."""
+    logits = logits.float()
+    if seen is not None:
+        logits = apply_repetition_penalty(logits, seen, cfg.repetition_penalty)
+    if counts is not None:
+        logits = apply_frequency_presence(logits, counts, cfg.frequency_penalty, cfg.presence_penalty)
+    if bias is not None:
+        logits = apply_logit_bias(logits, bias)
+    if cfg.greedy:
+        return logits
+    logits = logits / cfg.temperature
+    if cfg.top_k is not None:
+        logits = top_k_filter(logits, cfg.top_k)
+    if cfg.top_p is not None:
+        logits = top_p_filter(logits, cfg.top_p)
+    if cfg.min_p is not None and cfg.min_p > 0:
+        logits = min_p_filter(logits, cfg.min_p)
+    return logits
+
+
+def next_tokens(logits: torch.Tensor, cfg: SamplingConfig, generators=None, seen=None, counts=None,
+                bias=None) -> torch.Tensor:
+    """The next id of every row: logits (B, V) -> (B,) int64."""
+    logits = process_logits(logits, cfg, seen, counts, bias)
+    if cfg.greedy:
+        return logits.argmax(dim=-1)
+    return draw(logits.softmax(dim=-1), generators)
