@@ -1,0 +1,108 @@
+"""Training speed, ours vs Transformers' GPT2LMHeadModel: tokens/s of full optimizer steps, same batch.
+
+    python benchmarks/bench_train.py                       # GPT-2 124M, B=4, T=256, CPU, fp32 and bf16 autocast
+    python benchmarks/bench_train.py --rounds 5 --batch-size 4 --seq-len 256 --threads 2
+
+Each step: forward with targets, backward, gradient clipping to 1.0, AdamW (lr 6e-4, betas (0.9, 0.95),
+weight decay 0.1, fused where available: the same optimizer for both), zero_grad. Both models start
+from the same random weights (ours, converted with save_pretrained), run with dropout 0 (the 124M
+recipe's) and train on the same random batch. The four variants (ours/HF x float32/bf16 autocast)
+take turns within every round, so a change in machine load hits them alike; the report is the median
+step time per variant over the rounds (after one warm-up step each) and the ratios to HF float32.
+"ours" pads the vocabulary to 50,304 rows (GPT(config, vocab_multiple=64), the training default);
+"ours vocab1" keeps 50,257, which skips the logits slice (a copy of B*T*V floats) at small widths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+from gpt2 import GPT, GPTConfig
+
+
+def make_optimizer(model):
+    params = list(model.parameters())
+    kwargs = dict(lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    try:
+        return torch.optim.AdamW(params, fused=True, **kwargs)
+    except (RuntimeError, TypeError):
+        return torch.optim.AdamW(params, foreach=True, **kwargs)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gpt2", help="GPTConfig preset")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import transformers
+    transformers.logging.set_verbosity_error()
+
+    config = GPTConfig.preset(args.model, embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0)
+    torch.manual_seed(0)
+    ours = GPT(config, vocab_multiple=64).train()
+    with tempfile.TemporaryDirectory() as tmp:
+        ours.save_pretrained(tmp)
+        hf = transformers.GPT2LMHeadModel.from_pretrained(tmp, attn_implementation="sdpa").train()
+        ours_vm1 = GPT.from_pretrained(tmp, vocab_multiple=1).train()  # the same weights, unpadded vocabulary
+    B, T = args.batch_size, args.seq_len
+    x = torch.randint(0, config.vocab_size, (B, T))
+    y = torch.randint(0, config.vocab_size, (B, T))
+
+    def ours_loss():
+        return ours(x, targets=y)
+
+    def ours_vm1_loss():
+        return ours_vm1(x, targets=y)
+
+    def hf_loss():
+        # x, y are already shifted: compute the same mean cross-entropy from HF's logits
+        logits = hf(input_ids=x).logits
+        return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
+
+    variants = {}
+    for dtype in args.dtypes.split(","):
+        for name, model, loss_fn in (("ours", ours, ours_loss), ("ours vocab1", ours_vm1, ours_vm1_loss),
+                                     ("hf", hf, hf_loss)):
+            variants[f"{name} {dtype}"] = (model, make_optimizer(model), loss_fn, getattr(torch, dtype))
+
+    def step(model, opt, loss_fn, dtype):
+        t = time.perf_counter()
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            loss = loss_fn()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t
+
+    print(f"{args.model}: B={B} T={T}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"transformers {transformers.__version__}")
+    times = {k: [] for k in variants}
+    for k, v in variants.items():
+        step(*v)  # warm-up (allocator, oneDNN kernels)
+    for r in range(args.rounds):
+        for k, v in variants.items():
+            times[k].append(step(*v))
+        print(f"round {r + 1}: " + ", ".join(f"{k} {B * T / times[k][-1]:.0f}" for k in variants) + " tok/s")
+    tok_s = {k: B * T / statistics.median(v) for k, v in times.items()}
+    base = tok_s.get("hf float32")
+    print(f"\n{'variant':24s} {'tokens/s':>9s} {'vs HF fp32':>11s}")
+    for k, v in tok_s.items():
+        print(f"{k:24s} {v:9.1f} {v / base if base else float('nan'):10.2f}x")
+    print("load average at the end:", os.getloadavg())
+
+
+if __name__ == "__main__":
+    main()
