@@ -19,10 +19,13 @@ setup: $(STAMP)
 
 demo: $(STAMP)
 	$(GPT2) info gpt2
+	$(GPT2) prepare shakespeare --out data/shakespeare
+	rm -rf runs/quickstart
+	$(GPT2) train --preset quickstart --data data/shakespeare --out runs/quickstart
+	$(GPT2) generate --model runs/quickstart --max-new-tokens 80 --temperature 0.8 --top-k 200 --seed 0 --num-samples 2 "ROMEO:"
 	@echo
-	@echo "The weights below are RANDOM (no training yet): the text is noise, the machinery is real."
-	$(PY) -c "import torch; from gpt2 import GPT, GPTConfig; m = GPT(GPTConfig.preset('gpt2')).eval(); \
-	  ids = torch.tensor([[464, 1893, 286]]); print('logits', tuple(m(ids).shape))"
+	@echo "checkpoint: runs/quickstart/$$(cat runs/quickstart/LATEST)   (gpt2 generate --model runs/quickstart ...)"
+	@echo "loss curve: runs/quickstart/loss.png   metrics: runs/quickstart/metrics.jsonl"
 
 test: $(STAMP)
 	$(PY) -m pytest -q

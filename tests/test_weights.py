@@ -275,3 +275,15 @@ def test_loading_774m_peaks_below_1_3x_the_weight_bytes(tmp_path):
     peak = int(run.stdout.split()[-1])
     print(f"peak RSS {peak / 2**30:.2f} GiB for {weight_bytes / 2**30:.2f} GiB of weights: {peak / weight_bytes:.3f}x")
     assert peak <= 1.3 * weight_bytes
+
+
+def test_native_checkpoints_carry_the_gpt2_vocabulary(tmp_path):
+    from gpt2 import Tokenizer
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8)).eval()
+    save_native(model, tmp_path / "run" / "step_000001")
+    (tmp_path / "run" / "LATEST").write_text("step_000001\n")
+    assert (tmp_path / "run" / "step_000001" / "vocab.json").exists()
+    tok = Tokenizer.from_pretrained(tmp_path / "run")
+    text = "Hello world <3 ünïcödé"
+    assert tok.encode(text) == Tokenizer.gpt2().encode(text) == transformers.AutoTokenizer.from_pretrained(
+        tmp_path / "run" / "step_000001").encode(text)

@@ -400,14 +400,17 @@ class Tokenizer:
         sources. `allow_custom=True` accepts a consistent non-GPT-2 byte-level BPE vocabulary.
         """
         p = Path(path)
+        if p.is_dir() and (p / "LATEST").is_file() and not _find_files(p):
+            p = p / (p / "LATEST").read_text().strip()  # a training run: its newest checkpoint
         if p.is_dir():
             found = _find_files(p)
             if found:
                 return cls._load(*found, allow_custom=allow_custom)
-            if (p / "config.json").is_file():
+            if (p / "config.json").is_file() or (p / "gpt2.json").is_file():
                 return cls.gpt2()
             raise TokenizerError(f"{p}: no tokenizer files (encoder.json + vocab.bpe, vocab.json + merges.txt "
-                                 "or tokenizer.json) and no config.json. Fix: name a vocabulary or model directory.")
+                                 "or tokenizer.json) and no config.json or gpt2.json. "
+                                 "Fix: name a vocabulary or model directory.")
         name = str(path)
         if name in HF_REPOS or name in ("gpt2-medium", "gpt2-large", "gpt2-xl") or (
                 name.startswith("openai-community/gpt2")):

@@ -409,6 +409,7 @@ def save_native(model: GPT, directory, meta: dict | None = None, dtype=None) -> 
     directory.mkdir(parents=True, exist_ok=True)
     tensors = _unpadded_state(model, "gpt2", parse_dtype(dtype))
     _save_safetensors(directory / "model.safetensors", tensors, {"format": NATIVE_FORMAT})
+    _save_tokenizer(directory, model.config, None)  # self-contained: the vocabulary travels with the weights
     # gpt2.json is written last: its presence marks a complete checkpoint.
     atomic_write_json(directory / NATIVE_META, {"format": NATIVE_FORMAT, "version": 1,
                                                 "config": model.config.to_dict(), **(meta or {})})
