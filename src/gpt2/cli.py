@@ -401,16 +401,16 @@ def cmd_serve(args):
 # entry point
 # ---------------------------------------------------------------------------------------------
 
-PARSERS = [
-    add_generate_parser,
-    add_serve_parser,
-    add_train_parser,
+PARSERS = [  # in the order of a user's journey: look, tokenize, prepare, train, use, measure
     add_info_parser,
     add_convert_parser,
     add_tokenize_parser,
     add_prepare_parser,
-    add_inspect_parser,
+    add_train_parser,
+    add_generate_parser,
+    add_serve_parser,
     add_eval_parser,
+    add_inspect_parser,
 ]
 
 
