@@ -1,8 +1,15 @@
 """The `gpt2` command line: one subcommand per job, each a thin function from flags to a library call.
 
     gpt2 --help
-    gpt2 info gpt2-xl
-    gpt2 convert SRC DST --dtype bfloat16
+    gpt2 info gpt2-xl                                   # config, parameters, bytes
+    gpt2 convert SRC DST [--dtype bfloat16]             # our checkpoints <-> Hugging Face directories
+    gpt2 tokenize "Hello world"                         # ids and tokens
+    gpt2 prepare shakespeare --out data/shakespeare     # text -> llm.c token shards
+    gpt2 train --preset quickstart --data data/shakespeare --out runs/quickstart
+    gpt2 generate --model runs/quickstart "ROMEO:"      # or --model gpt2 (hub), a directory, ...
+    gpt2 serve --model gpt2                             # OpenAI-compatible /v1/completions
+    gpt2 eval perplexity --model gpt2 wiki.test.raw     # also: eval lambada, eval hellaswag
+    gpt2 inspect gpt2 --mode decode --past 1023         # the architecture sheet
 
 Each subcommand has an `add_<name>_parser(subparsers)` that declares its flags and a `cmd_<name>(args)`
 that turns them into one config and one library call. Heavy imports (torch, transformers) happen
