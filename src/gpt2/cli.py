@@ -326,6 +326,8 @@ def add_generate_parser(sub):
     p.add_argument("--dtype", choices=["float32", "bfloat16", "int8"], default="float32",
                    help="int8: weight-only, bf16 compute")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the decode step (fixed shapes; the first run compiles, ~30 s on CPU)")
     p.set_defaults(func=cmd_generate)
 
 
@@ -341,7 +343,8 @@ def cmd_generate(args):
     prompt = sys.stdin.read() if args.stdin else args.prompt
     cfg = make_config(args.max_new_tokens, args.temperature, args.top_k, args.top_p, min_p=args.min_p,
                       repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-                      presence_penalty=args.presence_penalty, ignore_eos=args.ignore_eos, truncate=args.truncate)
+                      presence_penalty=args.presence_penalty, ignore_eos=args.ignore_eos, truncate=args.truncate,
+                      compile=args.compile)
     ended = 0
     for chunk in _generate_text(model, tok, prompt, cfg, args.num_samples, args.seed, args.stop, args.stream):
         if chunk is None:  # the end of one sample

@@ -18,6 +18,8 @@ How a batch runs:
      prefill; each step only slices them.
   4. Each row stops on its own (EOS, stop ids, the caller's `finish(row)`, e.g. on a stop string);
      the batch stops when every row has.
+  5. With compile=True, decode runs `decode_step` under torch.compile instead: the same blocks, but
+     every shape fixed (the whole cache, rounded up, with a mask), so one graph serves every step.
 
 Sampling lives in sampling.py as pure functions. `generate_naive` is the uncached reference
 (a full forward over the whole sequence every step) that the tests compare the fast path against.
@@ -46,11 +48,12 @@ class GenerationConfig:
     stop_token_ids: list[int] | None = None  # besides EOS; a stop token is not part of the output
     ignore_eos: bool = False                 # EOS is <|endoftext|> when the vocabulary is GPT-2's
     truncate: str | None = None              # None: a too-long prompt is an error; "left": keep its end
+    compile: bool = False                    # decode with one torch.compile'd, fixed-shape step
 
 
 def make_config(max_new_tokens=64, temperature=0.0, top_k=None, top_p=None, seed=None, stop_token_ids=None, *,
                 min_p=None, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, logit_bias=None,
-                ignore_eos=False, truncate=None) -> GenerationConfig:
+                ignore_eos=False, truncate=None, compile=False) -> GenerationConfig:
     """The keyword arguments of generate/stream as one GenerationConfig."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ConfigError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
@@ -59,7 +62,8 @@ def make_config(max_new_tokens=64, temperature=0.0, top_k=None, top_p=None, seed
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                               presence_penalty=presence_penalty, logit_bias=dict(logit_bias or {}))
-    return GenerationConfig(max_new_tokens, sampling, seed, list(stop_token_ids or []), ignore_eos, truncate)
+    return GenerationConfig(max_new_tokens, sampling, seed, list(stop_token_ids or []), ignore_eos, truncate,
+                            bool(compile))
 
 
 def load_for_inference(name_or_path, dtype: str = "float32", device=None):
@@ -202,17 +206,22 @@ class Stream:
         device = model.transformer.wte.weight.device
         P = max(len(r) for r in rows)
         padded = any(len(r) != P for r in rows)
+        # The last sampled token is never fed back. A compiled step attends over the whole cache, so
+        # its capacity is rounded up: requests of similar length then share one compiled graph.
+        capacity = static_capacity(P + N - 1, model.config.n_positions) if cfg.compile else P + N - 1
         # inference_mode is entered per step, never across a yield: a grad mode left on while the
         # generator is suspended would leak into the caller's code.
         with torch.inference_mode():
             # Everything the loop needs is allocated here, once: cache, mask, sampler state.
             idx, mask = left_pad(rows, P + N, device)  # mask (B, P + N); decode steps are never padding
-            cache = KVCache.for_model(model, B, P + N - 1)  # the last sampled token is never fed back
+            cache = KVCache.for_model(model, B, capacity)
             state = SamplingState(rows, cfg.sampling, model.config.vocab_size, device)
             generators = None if cfg.sampling.greedy else make_generators(cfg.seed, B, device)
             stops = stop_ids_for(model, cfg)
             logits = model(idx, cache=cache, attention_mask=mask[:, :P] if padded else None,
                            last_logits_only=True)[:, -1]  # (B, V)
+            if cfg.compile:
+                static_step = StaticDecode(model, rows, mask, capacity)
         for t in range(N):
             with torch.inference_mode():
                 ids = next_tokens(logits, cfg.sampling, generators, state.seen, state.counts, state.bias)  # (B,)
@@ -222,8 +231,11 @@ class Stream:
             if all(r is not None for r in self.finish_reasons):
                 return
             with torch.inference_mode():
-                mask_t = mask[:, : P + t + 1] if padded else None  # a view: no allocation
-                logits = model(ids.view(B, 1), cache=cache, attention_mask=mask_t)[:, -1]  # (B, V)
+                if cfg.compile:
+                    logits = static_step(ids, cache)  # (B, V)
+                else:
+                    mask_t = mask[:, : P + t + 1] if padded else None  # a view: no allocation
+                    logits = model(ids.view(B, 1), cache=cache, attention_mask=mask_t)[:, -1]  # (B, V)
 
     def _bookkeep(self, ids: list[int], stops: set[int], last: bool) -> list[int | None]:
         out = []
@@ -240,6 +252,80 @@ class Stream:
         return out
 
 
+# ---------------------------------------------------------------------------------------------
+# the compiled path: one decode step with fixed shapes, so torch.compile builds one graph
+# ---------------------------------------------------------------------------------------------
+
+def static_capacity(needed: int, n_positions: int, multiple: int = 64) -> int:
+    """Cache capacity for a compiled decode: `needed` rounded up to a multiple, within the context."""
+    return min(n_positions, -(-needed // multiple) * multiple)
+
+
+class _SlotCache:
+    """What the attention layers see during a static decode step: `update` writes the new k, v at a
+    position held in a tensor (not a Python int, which torch.compile would bake into the graph) and
+    returns every slot of the cache; the step's mask hides the slots not yet written."""
+
+    def __init__(self, cache: KVCache, slot: torch.Tensor):
+        self.cache, self.slot = cache, slot  # slot (1,) int64
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        self.cache.k[layer].index_copy_(2, self.slot, k)  # k, v (B, nh, 1, hs) into (B, nh, capacity, hs)
+        self.cache.v[layer].index_copy_(2, self.slot, v)
+        return self.cache.k[layer], self.cache.v[layer]
+
+
+def decode_step(model, ids, positions, slot, keys, cache: KVCache) -> torch.Tensor:
+    """One decode step whose shapes never change: logits (B, V) for ids (B, 1).
+
+    positions (B, 1): each row's position id; slot (1,): the cache slot this step writes;
+    keys (B, capacity) bool: False on left padding. The blocks are the model's own modules; only the
+    cache view and the (B, 1, 1, capacity) mask differ from GPT.forward's decode.
+    """
+    capacity = keys.size(1)
+    written = torch.arange(capacity, device=keys.device) <= slot  # (capacity,): slots [0, slot]
+    mask = (keys & written).view(keys.size(0), 1, 1, capacity)
+    view = _SlotCache(cache, slot)
+    x = model.transformer.wte(ids) + model.transformer.wpe(positions)  # (B, 1, C); dropout is off
+    for block in model.transformer.h:
+        x = block(x, view, mask)
+    x = model.transformer.ln_f(x)
+    return model.lm_head(x)[:, -1, : model.config.vocab_size]  # (B, V)
+
+
+_compiled_decode_step = None
+
+
+def compiled_decode_step():
+    """decode_step under torch.compile, built once per process; each new model or shape recompiles."""
+    global _compiled_decode_step
+    if _compiled_decode_step is None:
+        _compiled_decode_step = torch.compile(decode_step, dynamic=False, fullgraph=True)
+    return _compiled_decode_step
+
+
+class StaticDecode:
+    """The state a compiled decode carries between steps, allocated once: positions, slot, key mask."""
+
+    def __init__(self, model, rows: list[list[int]], mask: torch.Tensor, capacity: int):
+        device = mask.device
+        P = max(len(r) for r in rows)
+        self.model = model
+        self.positions = torch.tensor([[len(r)] for r in rows], device=device)  # (B, 1): next position id
+        self.slot = torch.tensor([P], device=device)  # (1,): the cache slot the next token writes
+        self.keys = torch.zeros(len(rows), capacity, dtype=torch.bool, device=device)  # (B, capacity)
+        n = min(capacity, mask.size(1))
+        self.keys[:, :n] = mask[:, :n].bool()
+        self.fn = compiled_decode_step()
+
+    def __call__(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        logits = self.fn(self.model, ids.view(-1, 1), self.positions, self.slot, self.keys, cache)
+        cache.advance(1)
+        self.positions += 1
+        self.slot += 1
+        return logits
+
+
 def stream(model, prompts: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
            top_p=None, seed=None, stop_token_ids=None, **options) -> Stream:
     """Yield, step by step, the new id of each row (None for rows that are done). See make_config."""
@@ -252,7 +338,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int = 64, temperat
     """New ids of each prompt (stop tokens excluded).
 
     options: min_p, repetition_penalty, frequency_penalty, presence_penalty, logit_bias ({id: bias}),
-    ignore_eos (EOS is <|endoftext|> for GPT-2's vocabulary), truncate ("left").
+    ignore_eos (EOS is <|endoftext|> for GPT-2's vocabulary), truncate ("left"),
+    compile (torch.compile one fixed-shape decode step; the first call per shape compiles, ~30 s+).
     """
     steps = stream(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, **options)
     out = [[] for _ in steps.rows]

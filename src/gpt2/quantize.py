@@ -91,7 +91,19 @@ class PackedLinear(nn.Module):
         if x.numel() >= self.PREFILL_ROWS * self.in_features:
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return packed_linear(x, self.packed, self.bias)
+
+
+@torch.library.custom_op("gpt2::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's linear on a reordered weight, as an opaque op: torch.compile calls it as it is
+    (Inductor cannot lower the pre-packed op itself)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x, packed, bias):
+    return x.new_empty(*x.shape[:-1], packed.shape[0])  # (..., out)
 
 
 def _replace_linears(model: nn.Module, make) -> nn.Module:
