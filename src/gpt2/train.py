@@ -31,6 +31,7 @@ import dataclasses
 import json
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -510,8 +511,9 @@ def _train(cfg: TrainConfig, model_config: GPTConfig | None, info: DistInfo) -> 
         return path
 
     from tqdm import tqdm
+    # Redraw in place on a terminal; in a log file every redraw is appended, so redraw rarely there.
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not (cfg.progress and info.is_main), unit="step",
-               dynamic_ncols=True)
+               dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 15.0)
     t_start = time.time()
     t_window, tokens_window, losses_window = time.time(), 0, []
     last_val, last_path, tok_s, mfu = None, None, 0.0, 0.0
