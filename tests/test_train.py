@@ -25,6 +25,7 @@ from gpt2 import GPT, GPTConfig
 from gpt2.data import DataLoader, write_shard
 from gpt2.errors import CheckpointError, ConfigError, DataError
 from gpt2.train import TrainConfig, TrainingDiverged, learning_rate, preset_configs, train
+from gpt2.weights import save_native
 
 ASSETS = Path(__file__).parent / "assets"
 GOLDEN = ASSETS / "train_golden_losses.json"
@@ -362,3 +363,23 @@ if __name__ == "__main__":
         print(f"wrote {GOLDEN}: {len(losses)} losses, {losses[0]:.4f} -> {losses[-1]:.4f}")
     else:
         sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_embedding_lr_scale_multiplies_the_first_adam_step(corpus, tmp_path):
+    """Adam's first update is lr * g / (|g| + eps) ~ lr per element: the embedding's must be `scale` times larger."""
+    init = GPT(GPTConfig(**TINY_MODEL))
+    initial = {k: v.clone() for k, v in init.state_dict().items()}
+    save_native(init, tmp_path / "init")
+
+    def largest_updates(scale):
+        out = tmp_path / f"run_{scale}"
+        train(tiny_config(corpus, out, max_steps=1, warmup_steps=0, weight_decay=0.0, grad_clip=0.0,
+                          init_from=str(tmp_path / "init"), embedding_lr_scale=scale, eval_interval=1), None)
+        trained = GPT.from_pretrained(out).state_dict()
+        return {k: (trained[k] - initial[k]).abs().max().item() for k in ("transformer.wte.weight",
+                                                                         "transformer.h.0.mlp.c_fc.weight")}
+
+    plain, scaled = largest_updates(1.0), largest_updates(4.0)
+    assert plain["transformer.wte.weight"] == pytest.approx(1e-2, rel=1e-3)   # lr
+    assert scaled["transformer.wte.weight"] == pytest.approx(4e-2, rel=1e-3)  # 4 * lr
+    assert scaled["transformer.h.0.mlp.c_fc.weight"] == pytest.approx(plain["transformer.h.0.mlp.c_fc.weight"])

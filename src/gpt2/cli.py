@@ -256,6 +256,7 @@ def add_train_parser(sub):
     g.add_argument("--schedule", choices=["cosine", "wsd"], help="after warmup: cosine or warmup-stable-decay")
     g.add_argument("--decay-fraction", type=float, help="wsd: fraction of the run spent decaying (default 0.2)")
     g.add_argument("--weight-decay", type=float)
+    g.add_argument("--embedding-lr-scale", type=float, help="lr multiplier for wte/wpe (default 1)")
     g.add_argument("--grad-clip", type=float, help="max gradient norm (0 disables)")
     g.add_argument("--max-steps", type=int)
     g.add_argument("--max-minutes", type=float, help="time budget for the training loop; the schedule follows the clock")

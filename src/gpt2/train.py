@@ -83,6 +83,7 @@ class TrainConfig:
     weight_decay: float = 0.1            # on 2-D weights only (matmuls and embeddings)
     beta1: float = 0.9
     beta2: float = 0.95
+    embedding_lr_scale: float = 1.0      # lr multiplier for wte (tied with lm_head) and wpe
     grad_clip: float = 1.0               # max global gradient norm; 0 disables
     max_steps: int = 1000
     max_minutes: float | None = None     # time budget for the training loop (the schedule follows it)
@@ -146,7 +147,7 @@ PRESETS: dict[str, dict] = {
     "quickstart": dict(
         model=dict(n_layer=4, n_head=4, n_embd=256, n_positions=256, embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0),
         batch_size=8, seq_len=128, lr=1e-3, min_lr=0.0, warmup_steps=10, schedule="cosine", weight_decay=0.1,
-        beta2=0.99, max_steps=100_000, max_minutes=4.5, eval_interval=1000, eval_batches=32,
+        beta2=0.99, embedding_lr_scale=10.0, max_steps=100_000, max_minutes=4.5, eval_interval=1000, eval_batches=32,
         checkpoint_interval=100_000, keep_last=2, dtype="float32", vocab_multiple=1),
     # The published 124M reproduction (nanoGPT / llm.c): ~0.5M tokens per step, lr 6e-4 with 715 warmup
     # steps, cosine to 6e-5 over 19,073 steps = 10B tokens. For GPUs: bf16, compile, flash attention (SDPA).
@@ -252,6 +253,14 @@ def make_optimizer(cfg: TrainConfig, model: nn.Module, device: str, sharded: boo
     params = [p for p in model.parameters() if p.requires_grad]  # the tied lm_head is listed once
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    if cfg.embedding_lr_scale != 1.0:
+        # Embedding rows of rare tokens see few, sparse updates; a larger step size lets a short run
+        # learn them (measured on the quickstart: BENCHMARKS.md, Training). The loop multiplies the
+        # scheduled lr by each group's lr_scale.
+        embeddings = [p for name, p in model.named_parameters() if name.endswith(("wte.weight", "wpe.weight"))]
+        ids = {id(p) for p in embeddings}
+        groups[0]["params"] = [p for p in groups[0]["params"] if id(p) not in ids]
+        groups.append({"params": embeddings, "weight_decay": cfg.weight_decay, "lr_scale": cfg.embedding_lr_scale})
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
     if not sharded:
         try:
@@ -365,7 +374,8 @@ def plot_losses(out: Path) -> Path:
 
 # TrainConfig fields a resumed run must share with its checkpoint: they change the computation.
 RESUME_MUST_MATCH = ("batch_size", "seq_len", "total_batch_tokens", "data_mode", "lr", "min_lr", "warmup_steps",
-                     "schedule", "decay_fraction", "weight_decay", "beta1", "beta2", "grad_clip", "seed", "dtype",
+                     "schedule", "decay_fraction", "weight_decay", "beta1", "beta2", "embedding_lr_scale", "grad_clip",
+                     "seed", "dtype",
                      "vocab_multiple")  # max_steps and max_minutes may grow: the run continues
 
 
@@ -526,7 +536,7 @@ def _train(cfg: TrainConfig, model_config: GPTConfig | None, info: DistInfo) -> 
             progress = max(progress, elapsed_train / budget_s)
         lr = learning_rate(cfg, step, progress)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         loss_sum = torch.zeros((), device=device)
         for micro in range(grad_accum):
             x, y = loader.next_batch()
