@@ -573,7 +573,7 @@ def _train(cfg: TrainConfig, model_config: GPTConfig | None, info: DistInfo) -> 
         tok_s = tokens_window / dt if dt > 0 else 0.0
         mfu = flops_token * tok_s / peak
         bar.update(1)
-        bar.set_postfix_str(f"loss {train_loss:.3f} | {tok_s:,.0f} tok/s | MFU {100 * mfu:.1f}%")
+        bar.set_postfix_str(f"loss {train_loss:.3f} | {tok_s:,.0f} tok/s | MFU {100 * mfu:.1f}%", refresh=False)
 
         elapsed_train = elapsed_before + time.time() - t_start
         out_of_time = budget_s is not None and elapsed_train >= budget_s
