@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from gpt2.errors import CheckpointError
-from gpt2.weights import LATEST_POINTER, NATIVE_META, _read_json, atomic_write_bytes, save_native
+from gpt2.atomic import atomic_write_bytes
+from gpt2.weights import LATEST_POINTER, NATIVE_META, _read_json, save_native
 
 TRAINER_STATE = "trainer.pt"
 STEP_DIR = re.compile(r"step_(\d+)")

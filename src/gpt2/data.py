@@ -75,6 +75,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from gpt2.atomic import atomic_write_bytes
 from gpt2.errors import DataError
 
 MAGIC = 20240520  # llm.c's magic for GPT-2 uint16 shards
@@ -93,16 +94,11 @@ SHAKESPEARE_N_WORKS = 42
 # ---------------------------------------------------------------------------------------------
 
 def _atomic_write(path: Path, chunks: Sequence[bytes | memoryview]) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
+    def write(tmp):
         with open(tmp, "wb") as f:
             for c in chunks:
                 f.write(c)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    atomic_write_bytes(path, write)
 
 
 def write_shard(path: str | os.PathLike, tokens) -> Path:

@@ -62,6 +62,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import AbstractSet, Collection, Iterable, Literal
 
+from gpt2.atomic import atomic_write_text
 from gpt2.errors import TokenizerError
 
 # GPT-2's pre-tokenization regex as tiktoken writes it (possessive quantifiers, same matches as
@@ -544,9 +545,7 @@ class Tokenizer:
                  "tokenizer_config.json": json.dumps(config, indent=2) + "\n",
                  "special_tokens_map.json": json.dumps(special, indent=2) + "\n"}
         for name, content in files.items():
-            tmp = d / f".{name}.tmp"
-            tmp.write_text(content, encoding="utf-8")
-            os.replace(tmp, d / name)
+            atomic_write_text(d / name, content)
         return d
 
     def __repr__(self) -> str:

@@ -47,7 +47,8 @@ from gpt2.distributed import (DistInfo, all_reduce_mean, barrier, broadcast_obje
                               full_state_dict, init_distributed, load_optimizer_state, teardown, wrap_model)
 from gpt2.errors import CheckpointError, ConfigError, DataError, GPT2Error
 from gpt2.model import GPT
-from gpt2.weights import atomic_write_bytes, load_model
+from gpt2.atomic import atomic_write_bytes
+from gpt2.weights import load_model
 
 AUTOCAST_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SCHEDULES = ("cosine", "wsd")

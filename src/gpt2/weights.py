@@ -29,11 +29,11 @@ import math
 import os
 import re
 import struct
-import tempfile
 from pathlib import Path
 
 import torch
 
+from gpt2.atomic import atomic_write_bytes, atomic_write_json
 from gpt2.config import PRESETS, GPTConfig
 from gpt2.errors import CheckpointError, ConfigError
 from gpt2.model import GPT
@@ -363,23 +363,6 @@ def _unpadded_state(model: GPT, layout: str, dtype=None) -> dict[str, torch.Tens
             tensor = tensor.t()
         tensors[name] = tensor.to(device="cpu", dtype=dtype or tensor.dtype).contiguous()
     return tensors
-
-
-def atomic_write_bytes(path: Path, write) -> None:
-    """Call write(tmp_path), then rename over path: readers never see a half-written file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_json(path: Path, data: dict) -> None:
-    atomic_write_bytes(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2) + "\n"))
 
 
 def _save_safetensors(path: Path, tensors: dict, metadata: dict) -> None:
