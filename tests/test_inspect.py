@@ -13,14 +13,17 @@ import json
 import shutil
 import subprocess
 
+from unittest import mock
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
+import gpt2.model
 from gpt2 import GPT, ConfigError, ContextLengthError, GPTConfig, KVCache
 from gpt2.cli import main
-from gpt2.inspect import COLORS, architecture_sheet, format_html, format_markdown, format_text, inspect_model
+from gpt2.inspect import COLORS, CROSS_ENTROPY_FLOPS, architecture_sheet, format_html, format_markdown, format_text, inspect_model
 
 TINY = GPTConfig(n_layer=2, n_head=4, n_embd=32, n_positions=32, vocab_size=101)
 # (mode, B, T, P): prefill into an empty cache, and a chunk after 3 cached positions
@@ -66,7 +69,12 @@ def run_recorded(model, mode, B, T, P):
     idx = torch.randint(0, model.config.vocab_size, (B, T), device=device) if device.type != "meta" \
         else torch.empty(B, T, dtype=torch.long, device="meta")
     rec, cache_updates = Recorder(model), []
-    with rec:
+    fused_head = gpt2.model.lm_head_cross_entropy
+
+    def recording_head(x, weight, targets):  # training's fused lm_head + loss is a function, not a module
+        rec.fused_head = ([_shape(x), _shape(targets)], [])
+        return fused_head(x, weight, targets)
+    with rec, mock.patch("gpt2.model.lm_head_cross_entropy", recording_head):
         if mode in ("full", "training"):
             out = model(idx, targets=idx if mode == "training" else None)
         else:
@@ -147,8 +155,8 @@ def observed(op, rec, cache_updates, block_seen):
         return module("transformer.ln_f")
     if name == "lm_head":
         return module("lm_head")
-    if name == "loss":
-        return rec.in_module("", "cross_entropy")[0]
+    if name == "lm_head + loss":
+        return rec.fused_head
     raise AssertionError(f"the test does not know op {name!r}")
 
 
@@ -172,7 +180,7 @@ def check_shapes(model, mode, B, T, P):
         assert op["training_only"] == (op["kind"] in ("dropout", "loss"))
         assert op["identity"] == (op["kind"] == "dropout" and mode != "training")
     if mode == "training":
-        assert out.shape == torch.Size([]) and sheet["ops"][-1]["name"] == "loss"
+        assert out.shape == torch.Size([]) and sheet["ops"][-1]["name"] == "lm_head + loss"
     return sheet
 
 
@@ -258,10 +266,22 @@ def test_matmul_flops_match_flop_counter(mode, B, T, P):
         inner = counts[f"GPT.transformer.h.{i}.attn"] - counts[f"GPT.transformer.h.{i}.attn.c_attn"] \
             - counts[f"GPT.transformer.h.{i}.attn.c_proj"]
         assert inner == sum(op["flops"] for op in attention) - scaling
-    lm_head = next(op for op in ops if op["name"] == "lm_head")
-    assert counts["GPT.lm_head"] == lm_head["flops"]
-    matmul_ops = ("qkv projection", "c_proj", "c_fc", "scores", "weighted sum", "lm_head")
-    assert counter.get_total_flops() <= sum(op["flops"] for op in ops if op["name"] in matmul_ops)
+    if mode == "training":
+        # The fused head runs its logits GEMM and, in the same pass, the two GEMMs of its backward;
+        # FlopCounterMode counts the grad_x mm but not the in-place addmm_ that accumulates grad_weight.
+        head = next(op for op in ops if op["name"] == "lm_head + loss")
+        logits_gemm = head["flops"] - CROSS_ENTROPY_FLOPS * B * T * TINY.vocab_size
+        blocks = sum(counts[f"GPT.transformer.h.{i}"] for i in range(TINY.n_layer))
+        assert counts["GPT"] - blocks == 2 * logits_gemm
+        matmul = sum(op["flops"] for op in ops if op["name"] in MATMUL_OPS) + 2 * logits_gemm
+    else:
+        lm_head = next(op for op in ops if op["name"] == "lm_head")
+        assert counts["GPT.lm_head"] == lm_head["flops"]
+        matmul = sum(op["flops"] for op in ops if op["name"] in MATMUL_OPS + ("lm_head",))
+    assert counter.get_total_flops() <= matmul
+
+
+MATMUL_OPS = ("qkv projection", "c_proj", "c_fc", "scores", "weighted sum")
 
 
 def test_errors():

@@ -11,11 +11,13 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 
 from gpt2 import GPT, ContextLengthError, GPTConfig, KVCache
 from gpt2.config import PRESETS
 from gpt2.errors import ConfigError
+from gpt2.model import lm_head_cross_entropy
 from gpt2.weights import is_transposed
 
 from conftest import TINY, make_hf_model
@@ -234,6 +236,43 @@ def test_last_logits_only_equals_last_position():
     idx = torch.randint(0, TINY["vocab_size"], (2, 10))
     with torch.no_grad():
         assert torch.allclose(model(idx, last_logits_only=True)[:, 0], model(idx)[:, -1], atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 3, 7, 64])
+def test_chunked_head_loss_equals_plain_cross_entropy(chunk_rows):
+    """lm_head_cross_entropy (the training loss) against logits -> F.cross_entropy: value and both
+    gradients, with ignored targets, a ragged last chunk, a chunk that ignores every row, and a
+    non-unit upstream gradient (backward only scales what forward computed)."""
+    torch.manual_seed(0)
+    x = torch.randn(23, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 37, (23,))
+    targets[[0, 5, 6]] = -100
+    targets[7:14] = -100  # with chunk_rows 7 one whole chunk is ignored
+    reference = F.cross_entropy(x @ weight.t(), targets, ignore_index=-100)
+    grads = torch.autograd.grad(2.5 * reference, (x, weight))
+    loss = lm_head_cross_entropy(x, weight, targets, chunk_rows=chunk_rows)
+    ours = torch.autograd.grad(2.5 * loss, (x, weight))
+    assert loss.dtype == torch.float64 and abs(loss.item() - reference.item()) < 1e-12
+    for a, b in zip(ours, grads):
+        assert torch.allclose(a, b, atol=1e-12, rtol=1e-10)
+    with torch.no_grad():  # evaluation: no gradient work, same value
+        assert abs(lm_head_cross_entropy(x, weight, targets, chunk_rows).item() - reference.item()) < 1e-12
+
+
+def test_chunked_head_loss_under_bf16_autocast_matches_plain_autocast():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY)).eval()  # no dropout: the two forwards must see the same activations
+    idx = torch.randint(0, TINY["vocab_size"], (3, 12))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(idx[:, :-1], targets=idx[:, 1:])
+        x = model.transformer.ln_f(model.transformer.h[1](model.transformer.h[0](
+            model.transformer.wte(idx[:, :-1]) + model.transformer.wpe.weight[:11])))
+        reference = F.cross_entropy(model.lm_head(x).float().reshape(-1, TINY["vocab_size"]), idx[:, 1:].reshape(-1))
+    assert abs(loss.item() - reference.item()) < 1e-5
+    (grad,) = torch.autograd.grad(loss, model.transformer.wte.weight)
+    (ref_grad,) = torch.autograd.grad(reference, model.transformer.wte.weight)
+    assert (grad - ref_grad).abs().max().item() < 2e-2 * ref_grad.abs().max().item()  # bf16 GEMMs both ways
 
 
 # --- vocabulary padding, init, config ------------------------------------------------------------

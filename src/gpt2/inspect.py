@@ -248,16 +248,20 @@ def _ops(model: nn.Module, ax: _Axes, dtype: torch.dtype) -> list[Op]:
 
     add("ln_f", None, "layernorm", "Z = (x - mean) / sqrt(var + eps) * g + b", [x], x,
         LAYERNORM_FLOPS * B * T * C, module="transformer.ln_f", params_of="transformer.ln_f")
+    if mode == "training":
+        # model.lm_head_cross_entropy: the (B*T, V) logits exist one chunk of rows at a time, and the
+        # head's gradients are computed in the same pass (backward work, not counted here).
+        n = ("B*T tokens", B * T)
+        add("lm_head + loss", None, "loss", "L = mean -log softmax(Z W_te^T)[target]", [[n, ax.d], [n]], [],
+            2 * B * T * C * config.vocab_size + CROSS_ENTROPY_FLOPS * B * T * config.vocab_size, module="",
+            params_of="lm_head", training_only=True, elem_size=4,
+            note="chunked: logits never held whole; cross-entropy in float32; targets == -100 ignored")
+        return ops
     last = mode in ("prefill", "decode")  # the engine asks for the last position's logits only
     rows = [ax.batch, ("1 position", 1) if last else ax.pos]
     add("lm_head", None, "head", "logits = Z W_te^T (tied to wte)", [rows + [ax.d]], rows + [ax.vocab],
         2 * B * rows[1][1] * C * config.vocab_size, module="lm_head", params_of="lm_head",
         note="last position only" if mode == "prefill" else "")
-    if mode == "training":
-        n = ("B*T tokens", B * T)
-        add("loss", None, "loss", "L = mean -log softmax(logits)[target]", [[n, ax.vocab], [n]], [],
-            CROSS_ENTROPY_FLOPS * B * T * config.vocab_size, module="", training_only=True, elem_size=4,
-            note="cross-entropy in float32; targets == -100 ignored")
     return ops
 
 

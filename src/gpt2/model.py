@@ -123,6 +123,65 @@ class Block(nn.Module):
         return x
 
 
+def lm_head_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                          chunk_rows: int | None = None) -> torch.Tensor:
+    """mean cross_entropy(x @ weight.T, targets) (float32, targets == -100 ignored), chunk by chunk.
+
+    x (N, C) is ln_f's output, weight (V, C) the lm_head. Materializing all (N, V) logits
+    (N=1024, V=50257: 206 MB in float32, written and read several times by softmax and its
+    backward) costs more than the small models' blocks; chunks of rows stay in cache. When a
+    gradient is needed it is computed in the same pass (softmax - one_hot is the gradient of the
+    logits), so backward only scales it: no recomputation and no more FLOPs than the plain head.
+    """
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if chunk_rows is None:
+        # Fastest on a 2-core CPU (V=50257, N=1024): 64 rows at C=128 (1.9x the plain head),
+        # 128 at C=256 (1.2x), no gain either way at C=768. BENCHMARKS.md, Training.
+        chunk_rows = max(64, x.size(1) // 2)
+    return _ChunkedLMHeadLoss.apply(x, weight, targets, chunk_rows, needs_grad)
+
+
+class _ChunkedLMHeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, targets, chunk_rows: int, needs_grad: bool):
+        # GEMMs run in the autocast dtype if autocast is on, else in the weight's; the weight is cast
+        # once here, not once per chunk. Softmax, loss and the weight gradient accumulate in float32.
+        device = x.device.type
+        autocast = device in ("cpu", "cuda") and torch.is_autocast_enabled(device)
+        gemm = torch.get_autocast_dtype(device) if autocast else weight.dtype
+        accumulate = torch.promote_types(gemm, torch.float32)  # float32, or float64 for float64 inputs
+        w = weight.to(gemm)  # (V, C)
+        n_scored = (targets != -100).sum().clamp(min=1)  # the mean is over the scored tokens
+        loss = torch.zeros((), dtype=accumulate, device=x.device)
+        grad_x = torch.empty_like(x) if needs_grad else None
+        grad_w = torch.zeros(w.shape, dtype=accumulate, device=x.device) if needs_grad else None
+        for start in range(0, x.size(0), chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            xc, tc = x[rows].to(gemm), targets[rows]  # (n, C), (n,)
+            logits = (xc @ w.t()).to(accumulate)  # (n, V)
+            scored = tc != -100
+            picked = tc.clamp(min=0).unsqueeze(1)  # (n, 1); ignored rows pick 0 and are masked out
+            lse = torch.logsumexp(logits, dim=-1)  # (n,)
+            loss += torch.where(scored, lse - logits.gather(1, picked).squeeze(1), 0.0).sum()
+            if needs_grad:
+                dlogits = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in the logits' storage
+                dlogits.scatter_add_(1, picked, -scored.to(accumulate).unsqueeze(1))  # minus one_hot(target)
+                dlogits.mul_((scored.to(accumulate) / n_scored).unsqueeze(1))  # (n, V) = d loss / d logits
+                grad_x[rows] = dlogits.to(gemm) @ w
+                if gemm == accumulate:
+                    grad_w.addmm_(dlogits.t(), xc)  # in place: no (V, C) temporary per chunk
+                else:
+                    grad_w += dlogits.to(gemm).t() @ xc
+        if needs_grad:
+            ctx.save_for_backward(grad_x, grad_w.to(weight.dtype))
+        return loss / n_scored
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_weight = ctx.saved_tensors  # already d loss / d input; the loss is linear in them
+        return grad_x * grad_loss, grad_weight * grad_loss, None, None, None
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig, vocab_multiple: int = 1):
         """vocab_multiple > 1 pads wte's rows to a multiple (64 suits GEMM kernels); logits stay vocab_size wide."""
@@ -186,8 +245,8 @@ class GPT(nn.Module):
             if last_logits_only:
                 x = x[:, -1:, :]
             return self.lm_head(x)[..., : self.config.vocab_size]  # (B, T, V): padding columns never leak
-        logits = self.lm_head(x)[..., : self.config.vocab_size]
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100)
+        return lm_head_cross_entropy(x.reshape(B * T, -1), self.lm_head.weight[: self.config.vocab_size],
+                                     targets.reshape(B * T))
 
     @staticmethod
     def _attention_mask(attention_mask, past: int, T: int, device) -> torch.Tensor | None:
