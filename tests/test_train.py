@@ -226,6 +226,20 @@ def test_activation_checkpointing_and_bf16_autocast(corpus, tmp_path):
     assert all(p.dtype == torch.float32 for p in GPT.from_pretrained(bf16.out).parameters())
 
 
+def test_compiled_training_follows_eager(corpus, tmp_path):
+    """--compile (torch.compile of the model, the fused head loss included) takes the same steps."""
+    eager = tiny_config(corpus, tmp_path / "eager", max_steps=4, checkpoint_interval=4, eval_interval=4)
+    compiled = tiny_config(corpus, tmp_path / "compiled", max_steps=4, checkpoint_interval=4, eval_interval=4,
+                           compile=True)
+    train(eager, GPTConfig(**TINY_MODEL))
+    train(compiled, GPTConfig(**TINY_MODEL))
+    assert step_losses(compiled.out) == pytest.approx(step_losses(eager.out), abs=1e-4)
+    # the checkpoint has plain parameter names (no torch.compile prefix) and the trained weights
+    a, b = GPT.from_pretrained(eager.out).state_dict(), GPT.from_pretrained(compiled.out).state_dict()
+    assert a.keys() == b.keys()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
+
+
 # ---------------------------------------------------------------------------------------------
 # exact resume after SIGKILL
 # ---------------------------------------------------------------------------------------------

@@ -158,20 +158,21 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         for start in range(0, x.size(0), chunk_rows):
             rows = slice(start, start + chunk_rows)
             xc, tc = x[rows].to(gemm), targets[rows]  # (n, C), (n,)
-            logits = (xc @ w.t()).to(accumulate)  # (n, V)
             scored = tc != -100
             picked = tc.clamp(min=0).unsqueeze(1)  # (n, 1); ignored rows pick 0 and are masked out
-            lse = torch.logsumexp(logits, dim=-1)  # (n,)
-            loss += torch.where(scored, lse - logits.gather(1, picked).squeeze(1), 0.0).sum()
+            # log_softmax works row by row (a 50257-wide row fits in L2); every extra pass over the
+            # (n, V) chunk costs memory traffic, so the 1/n_scored scaling goes on the small operands.
+            log_probs = torch.log_softmax((xc @ w.t()).to(accumulate), dim=-1)  # (n, V)
+            loss -= torch.where(scored, log_probs.gather(1, picked).squeeze(1), 0.0).sum()
             if needs_grad:
-                dlogits = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in the logits' storage
+                dlogits = log_probs.exp_()  # softmax, in place
                 dlogits.scatter_add_(1, picked, -scored.to(accumulate).unsqueeze(1))  # minus one_hot(target)
-                dlogits.mul_((scored.to(accumulate) / n_scored).unsqueeze(1))  # (n, V) = d loss / d logits
-                grad_x[rows] = dlogits.to(gemm) @ w
+                row_scale = (scored.to(accumulate) / n_scored).unsqueeze(1)  # (n, 1); 0 for ignored rows
+                grad_x[rows] = (dlogits.to(gemm) @ w) * row_scale
                 if gemm == accumulate:
-                    grad_w.addmm_(dlogits.t(), xc)  # in place: no (V, C) temporary per chunk
+                    grad_w.addmm_(dlogits.t(), xc * row_scale)  # in place: no (V, C) temporary per chunk
                 else:
-                    grad_w += dlogits.to(gemm).t() @ xc
+                    grad_w += dlogits.to(gemm).t() @ (xc * row_scale).to(gemm)
         if needs_grad:
             ctx.save_for_backward(grad_x, grad_w.to(weight.dtype))
         return loss / n_scored
