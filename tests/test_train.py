@@ -183,7 +183,7 @@ def test_schedule_shapes():
 
 def test_presets_build():
     cfg, model = preset_configs("quickstart", data="d", out="o")
-    assert model.n_embd == 256 and cfg.max_minutes and cfg.seq_len <= model.n_positions
+    assert model.n_embd == 96 and cfg.schedule == "wsd" and cfg.max_minutes and cfg.seq_len <= model.n_positions
     cfg, model = preset_configs("gpt2-124M")
     assert model.n_layer == 12 and cfg.total_batch_tokens == 524_288 and cfg.lr == 6e-4
 
@@ -224,6 +224,17 @@ def test_activation_checkpointing_and_bf16_autocast(corpus, tmp_path):
     losses = step_losses(bf16.out)
     assert losses == pytest.approx(step_losses(plain.out), abs=0.05)  # bf16 rounding, same trajectory
     assert all(p.dtype == torch.float32 for p in GPT.from_pretrained(bf16.out).parameters())
+
+
+def test_time_budget_ends_the_run_and_the_bar_counts_its_seconds(corpus, tmp_path, capsys):
+    cfg = tiny_config(corpus, tmp_path / "timed", max_steps=1_000_000, max_minutes=0.05, eval_interval=1_000_000,
+                      checkpoint_interval=1_000_000, progress=True)
+    train(cfg, GPTConfig(**TINY_MODEL))
+    (record,) = [json.loads(line) for line in (tmp_path / "timed" / "metrics.jsonl").read_text().splitlines()]
+    assert 3.0 <= record["elapsed_s"] < 6.0 and 0 < record["step"] < 1_000_000
+    assert record["lr"] == pytest.approx(cfg.min_lr, rel=1e-3)  # the schedule followed the clock to its end
+    bar = capsys.readouterr().err
+    assert "3/3 [" in bar and f"step {record['step']} |" in bar  # seconds of the budget; the step in the postfix
 
 
 def test_compiled_training_follows_eager(corpus, tmp_path):
