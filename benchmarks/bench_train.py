@@ -9,8 +9,9 @@ from the same random weights (ours, converted with save_pretrained), run with dr
 recipe's) and train on the same random batch. The four variants (ours/HF x float32/bf16 autocast)
 take turns within every round, so a change in machine load hits them alike; the report is the median
 step time per variant over the rounds (after one warm-up step each) and the ratios to HF float32.
-"ours" pads the vocabulary to 50,304 rows (GPT(config, vocab_multiple=64), the training default);
-"ours vocab1" keeps 50,257, which skips the logits slice (a copy of B*T*V floats) at small widths.
+"ours" pads the vocabulary to 50,304 rows (GPT(config, vocab_multiple=64), the CUDA training default);
+"ours vocab1" keeps 50,257 (the CPU training default). Our loss is the fused, chunked lm_head +
+cross-entropy (model.lm_head_cross_entropy); Transformers materializes the B*T*V logits.
 """
 
 from __future__ import annotations
