@@ -132,11 +132,12 @@ def lm_head_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.
     backward) costs more than the small models' blocks; chunks of rows stay in cache. When a
     gradient is needed it is computed in the same pass (softmax - one_hot is the gradient of the
     logits), so backward only scales it: no recomputation and no more FLOPs than the plain head.
+    Held from forward to backward: grad_x (N, C) and grad_weight (V, C), far less than the logits.
     """
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if chunk_rows is None:
         # Fastest on a 2-core CPU (V=50257, N=1024): 64 rows at C=128 (1.9x the plain head),
-        # 128 at C=256 (1.2x), no gain either way at C=768. BENCHMARKS.md, Training.
+        # 128 at C=256 (1.4x), no gain either way at C=768. BENCHMARKS.md, Training.
         chunk_rows = max(64, x.size(1) // 2)
     return _ChunkedLMHeadLoss.apply(x, weight, targets, chunk_rows, needs_grad)
 
