@@ -234,7 +234,7 @@ def test_time_budget_ends_the_run_and_the_bar_counts_its_seconds(corpus, tmp_pat
     assert 3.0 <= record["elapsed_s"] < 6.0 and 0 < record["step"] < 1_000_000
     assert record["lr"] == pytest.approx(cfg.min_lr, rel=1e-3)  # the schedule followed the clock to its end
     bar = capsys.readouterr().err
-    assert "3/3 [" in bar and f"step {record['step']} |" in bar  # seconds of the budget; the step in the postfix
+    assert "3/3 s [" in bar and f"step {record['step']} |" in bar  # seconds of the budget; the step in the postfix
 
 
 def test_compiled_training_follows_eager(corpus, tmp_path):

@@ -531,7 +531,8 @@ def _train(cfg: TrainConfig, model_config: GPTConfig | None, info: DistInfo) -> 
     timed = budget_s is not None
     bar = tqdm(total=round(budget_s) if timed else cfg.max_steps, initial=round(elapsed_before) if timed else step,
                disable=not (cfg.progress and info.is_main), unit="s" if timed else "step", dynamic_ncols=True,
-               mininterval=0.1 if sys.stderr.isatty() else 15.0)
+               mininterval=0.1 if sys.stderr.isatty() else 15.0,
+               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s [{elapsed}<{remaining}{postfix}]" if timed else None)
     t_start = time.time()
     t_window, tokens_window, losses_window = time.time(), 0, []
     last_val, last_path, tok_s, mfu = None, None, 0.0, 0.0
