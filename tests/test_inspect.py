@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-
 from unittest import mock
 
 import pytest
@@ -26,6 +25,7 @@ from gpt2.cli import main
 from gpt2.inspect import COLORS, CROSS_ENTROPY_FLOPS, architecture_sheet, format_html, format_markdown, format_text, inspect_model
 
 TINY = GPTConfig(n_layer=2, n_head=4, n_embd=32, n_positions=32, vocab_size=101)
+MATMUL_OPS = ("qkv projection", "c_proj", "c_fc", "scores", "weighted sum")  # sheet ops that are GEMMs
 # (mode, B, T, P): prefill into an empty cache, and a chunk after 3 cached positions
 CASES = [("full", 2, 5, 0), ("training", 2, 5, 0), ("prefill", 2, 5, 0), ("prefill", 2, 4, 3), ("decode", 2, 1, 6)]
 
@@ -279,9 +279,6 @@ def test_matmul_flops_match_flop_counter(mode, B, T, P):
         assert counts["GPT.lm_head"] == lm_head["flops"]
         matmul = sum(op["flops"] for op in ops if op["name"] in MATMUL_OPS + ("lm_head",))
     assert counter.get_total_flops() <= matmul
-
-
-MATMUL_OPS = ("qkv projection", "c_proj", "c_fc", "scores", "weighted sum")
 
 
 def test_errors():

@@ -169,11 +169,12 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
                 dlogits = log_probs.exp_()  # softmax, in place
                 dlogits.scatter_add_(1, picked, -scored.to(accumulate).unsqueeze(1))  # minus one_hot(target)
                 row_scale = (scored.to(accumulate) / n_scored).unsqueeze(1)  # (n, 1); 0 for ignored rows
-                grad_x[rows] = (dlogits.to(gemm) @ w) * row_scale
+                dlogits = dlogits.to(gemm)  # one cast per chunk (a no-op in float32)
+                grad_x[rows] = (dlogits @ w) * row_scale
                 if gemm == accumulate:
                     grad_w.addmm_(dlogits.t(), xc * row_scale)  # in place: no (V, C) temporary per chunk
                 else:
-                    grad_w += dlogits.to(gemm).t() @ (xc * row_scale).to(gemm)
+                    grad_w += dlogits.t() @ (xc * row_scale).to(gemm)
         if needs_grad:
             ctx.save_for_backward(grad_x, grad_w.to(weight.dtype))
         return loss / n_scored

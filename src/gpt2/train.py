@@ -581,11 +581,11 @@ def _train(cfg: TrainConfig, model_config: GPTConfig | None, info: DistInfo) -> 
         dt = time.time() - t_window
         tok_s = tokens_window / dt if dt > 0 else 0.0
         mfu = flops_token * tok_s / peak
-        bar.update(min(round(elapsed_before + time.time() - t_start), bar.total) - bar.n if timed else 1)
+        elapsed_train = elapsed_before + time.time() - t_start
+        bar.update(min(round(elapsed_train), bar.total) - bar.n if timed else 1)
         bar.set_postfix_str(f"{f'step {step} | ' if timed else ''}loss {train_loss:.3f} | {tok_s:,.0f} tok/s | "
                             f"MFU {100 * mfu:.1f}%", refresh=False)
 
-        elapsed_train = elapsed_before + time.time() - t_start
         out_of_time = budget_s is not None and elapsed_train >= budget_s
         done = step >= cfg.max_steps or broadcast_object(out_of_time, info)
 
