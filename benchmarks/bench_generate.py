@@ -5,7 +5,7 @@
     ... bench_generate.py --compile      # + decode with generate(..., compile=True) (compiles first, ~1 min)
 
 One random-init model is saved once in the Hugging Face layout; Transformers loads it with
-GPT2LMHeadModel.from_pretrained and we load it with gpt2.engine.load_for_inference (float32, bfloat16,
+GPT2LMHeadModel.from_pretrained and we load it with gpt2.quantize.load_for_inference (float32, bfloat16,
 int8). Every round runs every contender once, in turn, so load on a shared machine hits all of them
 alike; the table reports medians over rounds and ratios to Transformers float32.
 
@@ -107,7 +107,8 @@ def main():
     import transformers
 
     from gpt2 import GPT, GPTConfig
-    from gpt2.engine import generate, load_for_inference
+    from gpt2.engine import generate
+    from gpt2.quantize import load_for_inference
 
     torch.manual_seed(0)
     tmp = tempfile.TemporaryDirectory()

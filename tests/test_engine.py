@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from gpt2 import GPT, ContextLengthError
-from gpt2.engine import TextStream, generate, generate_naive, stream
+from gpt2.engine import generate, generate_naive, stream
+from gpt2.tokenizer import TextStream
 from gpt2.errors import ConfigError
 from gpt2.quantize import QuantLinear, quantize_int8, quantize_per_channel
 

@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpt2.engine import GPT2_EOT, SamplingState, make_generators
+from gpt2.config import GPT2_EOT
 from gpt2.errors import ContextLengthError, GPT2Error
 from gpt2.kv_cache import KVCache
-from gpt2.sampling import SamplingConfig, next_tokens
+from gpt2.sampling import SamplingConfig, SamplingState, make_generators, next_tokens
 
 
 class QueueFull(GPT2Error):

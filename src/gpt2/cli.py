@@ -333,7 +333,8 @@ def add_generate_parser(sub):
 
 
 def cmd_generate(args):
-    from gpt2.engine import load_for_inference, make_config
+    from gpt2.engine import make_config
+    from gpt2.quantize import load_for_inference
     from gpt2.errors import ConfigError
     from gpt2.tokenizer import Tokenizer
     model = load_for_inference(args.model, dtype=args.dtype, device=args.device)
@@ -362,7 +363,9 @@ def _generate_text(model, tok, prompt: str, cfg, num_samples: int, seed, stop: l
     """
     import dataclasses
 
-    from gpt2.engine import GPT2_EOT, Stream, TextStream
+    from gpt2.config import GPT2_EOT
+    from gpt2.engine import Stream
+    from gpt2.tokenizer import TextStream
     ids = tok.encode(prompt, allowed_special="all") or [GPT2_EOT]  # GPT-2 has no BOS: start from <|endoftext|>
     seeds = [None if seed is None else seed + i for i in range(num_samples)]
     groups = [[i] for i in range(num_samples)] if stream else [list(range(num_samples))]

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 
 from gpt2.errors import ConfigError
 
+GPT2_VOCAB_SIZE = 50257  # OpenAI's byte-level BPE: 50,000 merges + 256 bytes + <|endoftext|>
+GPT2_EOT = 50256         # <|endoftext|>, GPT-2's only special token (no BOS: documents start after it)
+
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu")
 
 
@@ -26,7 +29,7 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768
     n_positions: int = 1024          # the context length
-    vocab_size: int = 50257
+    vocab_size: int = GPT2_VOCAB_SIZE
     n_inner: int | None = None       # MLP width; None means 4 * n_embd
     activation_function: str = "gelu_new"   # GPT-2 uses the tanh approximation of GELU
     embd_pdrop: float = 0.1          # dropout after wte + wpe
@@ -83,8 +86,8 @@ class GPTConfig:
             **self.to_dict(),
             "n_ctx": self.n_positions,
             # <|endoftext|> exists only in GPT-2's own vocabulary
-            "bos_token_id": 50256 if self.vocab_size > 50256 else None,
-            "eos_token_id": 50256 if self.vocab_size > 50256 else None,
+            "bos_token_id": GPT2_EOT if self.vocab_size > GPT2_EOT else None,
+            "eos_token_id": GPT2_EOT if self.vocab_size > GPT2_EOT else None,
             "tie_word_embeddings": True,
         }
 

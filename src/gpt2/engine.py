@@ -23,8 +23,8 @@ How a batch runs:
 
 Sampling lives in sampling.py as pure functions. `generate_naive` is the uncached reference
 (a full forward over the whole sequence every step) that the tests compare the fast path against.
-Stop strings are text, so they are matched at the edges with `TextStream`, which takes the
-tokenizer's incremental decoder.
+Stop strings are text, so they are matched at the edges (the CLI, the server) with
+`gpt2.tokenizer.TextStream`.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gpt2.config import GPT2_EOT
 from gpt2.errors import ConfigError, ContextLengthError
 from gpt2.kv_cache import KVCache
-from gpt2.sampling import SamplingConfig, next_tokens
+from gpt2.sampling import SamplingConfig, SamplingState, make_generators, next_tokens
 
-GPT2_EOT = 50256  # <|endoftext|> in GPT-2's vocabulary
 
 
 @dataclass
@@ -64,19 +64,6 @@ def make_config(max_new_tokens=64, temperature=0.0, top_k=None, top_p=None, seed
                               presence_penalty=presence_penalty, logit_bias=dict(logit_bias or {}))
     return GenerationConfig(max_new_tokens, sampling, seed, list(stop_token_ids or []), ignore_eos, truncate,
                             bool(compile))
-
-
-def load_for_inference(name_or_path, dtype: str = "float32", device=None):
-    """A model ready for generate: float32, bfloat16 (oneDNN-packed linears on CPU) or int8 weight-only."""
-    from gpt2.model import GPT
-    from gpt2.quantize import pack_bf16, quantize_int8
-    if dtype not in ("float32", "bfloat16", "int8"):
-        raise ConfigError(f"dtype {dtype!r} is not supported for generation; choose float32, bfloat16 or int8")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if dtype == "int8":
-        return quantize_int8(GPT.from_pretrained(name_or_path, device=device, dtype=torch.float32))
-    model = GPT.from_pretrained(name_or_path, device=device, dtype=getattr(torch, dtype))
-    return pack_bf16(model) if dtype == "bfloat16" else model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,54 +106,11 @@ def left_pad(rows: list[list[int]], total: int, device=None):
     return idx.to(device), mask.to(device)
 
 
-def make_generators(seed, batch_size: int, device) -> torch.Generator | list[torch.Generator]:
-    """One generator for the batch (seed None or int), or one per row (a list of seeds)."""
-    def gen(s):
-        g = torch.Generator(device=device)
-        if s is None:
-            g.seed()  # fresh entropy: sampling without a seed is not reproducible, by request
-        else:
-            g.manual_seed(int(s))
-        return g
-    if isinstance(seed, (list, tuple)):
-        if len(seed) != batch_size:
-            raise ConfigError(f"seed has {len(seed)} entries for {batch_size} prompts")
-        return [gen(s) for s in seed]
-    return gen(seed)
-
-
 def stop_ids_for(model, cfg: GenerationConfig) -> set[int]:
     stops = set(cfg.stop_token_ids or [])
     if not cfg.ignore_eos and model.config.vocab_size > GPT2_EOT:
         stops.add(GPT2_EOT)
     return stops
-
-
-class SamplingState:
-    """Per-batch tensors the samplers need: seen tokens, generated counts, dense logit bias. Allocated once."""
-
-    def __init__(self, rows: list[list[int]], cfg: SamplingConfig, vocab_size: int, device):
-        B = len(rows)
-        self.seen = self.counts = self.bias = None
-        if cfg.uses_repetition:
-            self.seen = torch.zeros(B, vocab_size, dtype=torch.bool, device=device)  # prompt + output
-            for i, r in enumerate(rows):
-                self.seen[i, torch.tensor(r, device=device)] = True
-        if cfg.uses_counts:
-            self.counts = torch.zeros(B, vocab_size, dtype=torch.float32, device=device)  # output only
-        if cfg.logit_bias:
-            self.bias = torch.zeros(vocab_size, dtype=torch.float32, device=device)
-            for t, b in cfg.logit_bias.items():
-                if not 0 <= int(t) < vocab_size:
-                    raise ConfigError(f"logit_bias names token {t}, outside [0, {vocab_size})")
-                self.bias[int(t)] = float(b)
-
-    def record(self, ids: torch.Tensor) -> None:
-        """Count the ids (B,) just sampled."""
-        if self.seen is not None:
-            self.seen.scatter_(1, ids.view(-1, 1), True)
-        if self.counts is not None:
-            self.counts.scatter_add_(1, ids.view(-1, 1), torch.ones_like(ids, dtype=torch.float32).view(-1, 1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,60 +326,3 @@ def generate_naive(model, prompts: list[list[int]], max_new_tokens: int = 64, te
         seq = torch.cat([seq, ids.view(B, 1)], dim=1)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# text edge helper: stop strings on decoded text
-# ---------------------------------------------------------------------------------------------
-
-class TextStream:
-    """One row's text: push new ids, get the text that is safe to show; stops at the first stop string.
-
-        text = TextStream(tok.stream_decoder(), stop=["\\n\\n"])
-        for step in steps:
-            chunk = text.push(step[0])
-            if text.stopped: steps.finish(0)
-
-    decoder: an incremental decoder with push(ids) -> str and flush() -> str (the tokenizer's
-    StreamDecoder, which holds back incomplete UTF-8). Text that might be the start of a stop string
-    is held back until it is not; a stop string and everything after it is never shown.
-    """
-
-    def __init__(self, decoder, stop=()):
-        self.decoder = decoder
-        self.stop = [s for s in stop if s]
-        self.text = ""      # all text decoded so far (up to the stop string, once stopped)
-        self.shown = 0      # characters of self.text already returned
-        self.stopped = False
-
-    def push(self, ids) -> str:
-        if self.stopped or ids is None:
-            return ""
-        self.text += self.decoder.push(ids if isinstance(ids, (list, tuple)) else [ids])
-        return self._emit(final=False)
-
-    def flush(self) -> str:
-        if not self.stopped:
-            self.text += self.decoder.flush()
-        return self._emit(final=True)
-
-    def _emit(self, final: bool) -> str:
-        if not self.stopped and self.stop:
-            start = max(0, self.shown - max(len(s) for s in self.stop))  # a new match must end in new text
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-            if hits:
-                self.text = self.text[: min(hits)]
-                self.stopped = True
-        end = len(self.text)
-        if not self.stopped and not final:
-            end -= self._held_back()
-        out = self.text[self.shown:end]
-        self.shown = max(self.shown, end)
-        return out
-
-    def _held_back(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
-        for n in range(min(len(self.text), max((len(s) for s in self.stop), default=1) - 1), 0, -1):
-            if any(s.startswith(self.text[-n:]) for s in self.stop):
-                return n
-        return 0

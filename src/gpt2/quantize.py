@@ -26,6 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from gpt2.errors import ConfigError
+
 
 def _int8pack_available(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and hasattr(
@@ -136,3 +138,15 @@ def pack_bf16(model: nn.Module) -> nn.Module:
     if not can_pack_bf16(model):
         return model
     return _replace_linears(model, PackedLinear).eval()
+
+
+def load_for_inference(name_or_path, dtype: str = "float32", device=None):
+    """A model ready for generate: float32, bfloat16 (oneDNN-packed linears on CPU) or int8 weight-only."""
+    from gpt2.model import GPT
+    if dtype not in ("float32", "bfloat16", "int8"):
+        raise ConfigError(f"dtype {dtype!r} is not supported for generation; choose float32, bfloat16 or int8")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dtype == "int8":
+        return quantize_int8(GPT.from_pretrained(name_or_path, device=device, dtype=torch.float32))
+    model = GPT.from_pretrained(name_or_path, device=device, dtype=getattr(torch, dtype))
+    return pack_bf16(model) if dtype == "bfloat16" else model

@@ -131,3 +131,46 @@ def next_tokens(logits: torch.Tensor, cfg: SamplingConfig, generators=None, seen
     if cfg.greedy:
         return logits.argmax(dim=-1)
     return draw(logits.softmax(dim=-1), generators)
+
+
+def make_generators(seed, batch_size: int, device) -> torch.Generator | list[torch.Generator]:
+    """One generator for the batch (seed None or int), or one per row (a list of seeds)."""
+    def gen(s):
+        g = torch.Generator(device=device)
+        if s is None:
+            g.seed()  # fresh entropy: sampling without a seed is not reproducible, by request
+        else:
+            g.manual_seed(int(s))
+        return g
+    if isinstance(seed, (list, tuple)):
+        if len(seed) != batch_size:
+            raise ConfigError(f"seed has {len(seed)} entries for {batch_size} prompts")
+        return [gen(s) for s in seed]
+    return gen(seed)
+
+
+class SamplingState:
+    """Per-batch tensors the samplers need: seen tokens, generated counts, dense logit bias. Allocated once."""
+
+    def __init__(self, rows: list[list[int]], cfg: SamplingConfig, vocab_size: int, device):
+        B = len(rows)
+        self.seen = self.counts = self.bias = None
+        if cfg.uses_repetition:
+            self.seen = torch.zeros(B, vocab_size, dtype=torch.bool, device=device)  # prompt + output
+            for i, r in enumerate(rows):
+                self.seen[i, torch.tensor(r, device=device)] = True
+        if cfg.uses_counts:
+            self.counts = torch.zeros(B, vocab_size, dtype=torch.float32, device=device)  # output only
+        if cfg.logit_bias:
+            self.bias = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+            for t, b in cfg.logit_bias.items():
+                if not 0 <= int(t) < vocab_size:
+                    raise ConfigError(f"logit_bias names token {t}, outside [0, {vocab_size})")
+                self.bias[int(t)] = float(b)
+
+    def record(self, ids: torch.Tensor) -> None:
+        """Count the ids (B,) just sampled."""
+        if self.seen is not None:
+            self.seen.scatter_(1, ids.view(-1, 1), True)
+        if self.counts is not None:
+            self.counts.scatter_add_(1, ids.view(-1, 1), torch.ones_like(ids, dtype=torch.float32).view(-1, 1))

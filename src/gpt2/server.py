@@ -42,8 +42,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpt2.batching import QueueFull, Scheduler, SchedulerClosed, Sequence, prompt_logprobs
-from gpt2.engine import GPT2_EOT, TextStream
+from gpt2.config import GPT2_EOT
 from gpt2.sampling import SamplingConfig
+from gpt2.tokenizer import TextStream
 
 
 @dataclass
@@ -483,7 +484,7 @@ def serve(cfg: ServerConfig) -> None:
     """Load the model and tokenizer, then run uvicorn until SIGINT/SIGTERM."""
     import uvicorn
 
-    from gpt2.engine import load_for_inference
+    from gpt2.quantize import load_for_inference
     from gpt2.errors import ConfigError
     from gpt2.tokenizer import Tokenizer
     if cfg.max_batch < 1 or cfg.max_queue < 0:

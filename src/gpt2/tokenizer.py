@@ -69,7 +69,6 @@ from gpt2.errors import TokenizerError
 # OpenAI's original `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`).
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 ENDOFTEXT = "<|endoftext|>"
-GPT2_N_VOCAB = 50257
 
 # sha256 of OpenAI's files (the same hashes tiktoken_ext.openai_public pins).
 ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
@@ -603,3 +602,58 @@ class StreamDecoder:
         out = self._dec.decode(b"", final=True)
         self._dec.reset()
         return out
+
+
+# ---------------------------------------------------------------------------------------------
+
+class TextStream:
+    """One row's text: push new ids, get the text that is safe to show; stops at the first stop string.
+
+        text = TextStream(tok.stream_decoder(), stop=["\\n\\n"])
+        for step in steps:
+            chunk = text.push(step[0])
+            if text.stopped: steps.finish(0)
+
+    decoder: an incremental decoder with push(ids) -> str and flush() -> str (the tokenizer's
+    StreamDecoder, which holds back incomplete UTF-8). Text that might be the start of a stop string
+    is held back until it is not; a stop string and everything after it is never shown.
+    """
+
+    def __init__(self, decoder, stop=()):
+        self.decoder = decoder
+        self.stop = [s for s in stop if s]
+        self.text = ""      # all text decoded so far (up to the stop string, once stopped)
+        self.shown = 0      # characters of self.text already returned
+        self.stopped = False
+
+    def push(self, ids) -> str:
+        if self.stopped or ids is None:
+            return ""
+        self.text += self.decoder.push(ids if isinstance(ids, (list, tuple)) else [ids])
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        if not self.stopped:
+            self.text += self.decoder.flush()
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        if not self.stopped and self.stop:
+            start = max(0, self.shown - max(len(s) for s in self.stop))  # a new match must end in new text
+            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                self.stopped = True
+        end = len(self.text)
+        if not self.stopped and not final:
+            end -= self._held_back()
+        out = self.text[self.shown:end]
+        self.shown = max(self.shown, end)
+        return out
+
+    def _held_back(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+        for n in range(min(len(self.text), max((len(s) for s in self.stop), default=1) - 1), 0, -1):
+            if any(s.startswith(self.text[-n:]) for s in self.stop):
+                return n
+        return 0
