@@ -33,7 +33,7 @@ import torch
 
 from gpt2.errors import CheckpointError
 from gpt2.atomic import atomic_write_bytes
-from gpt2.weights import LATEST_POINTER, NATIVE_META, _read_json, save_native
+from gpt2.weights import LATEST_POINTER, NATIVE_META, newest_checkpoint, read_json, save_native
 
 TRAINER_STATE = "trainer.pt"
 STEP_DIR = re.compile(r"step_(\d+)")
@@ -62,12 +62,11 @@ def list_checkpoints(run_dir) -> list[Path]:
 
 def latest(run_dir) -> Path | None:
     """The checkpoint LATEST names, or None when the run has none yet."""
-    pointer = Path(run_dir) / LATEST_POINTER
-    if not pointer.is_file():
+    path = newest_checkpoint(Path(run_dir))
+    if path == Path(run_dir):
         return None
-    path = Path(run_dir) / pointer.read_text().strip()
     if not (path / NATIVE_META).exists() or not (path / TRAINER_STATE).exists():
-        raise CheckpointError(f"{pointer} names {path.name}, which is not a complete checkpoint")
+        raise CheckpointError(f"{Path(run_dir) / LATEST_POINTER} names {path.name}, which is not a complete checkpoint")
     return path
 
 
@@ -108,7 +107,7 @@ def _prune(run_dir: Path, keep_last: int, keep: Path) -> None:
 def load(path) -> Checkpoint:
     """The meta and trainer state of one checkpoint directory (the weights load with weights.load_model)."""
     path = Path(path)
-    meta = _read_json(path / NATIVE_META)
+    meta = read_json(path / NATIVE_META)
     try:
         trainer_state = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=True)
     except FileNotFoundError:

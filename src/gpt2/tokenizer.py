@@ -400,8 +400,9 @@ class Tokenizer:
         sources. `allow_custom=True` accepts a consistent non-GPT-2 byte-level BPE vocabulary.
         """
         p = Path(path)
-        if p.is_dir() and (p / "LATEST").is_file() and not _find_files(p):
-            p = p / (p / "LATEST").read_text().strip()  # a training run: its newest checkpoint
+        if p.is_dir() and not _find_files(p):
+            from gpt2.weights import newest_checkpoint
+            p = newest_checkpoint(p)  # a training run: its newest checkpoint
         if p.is_dir():
             found = _find_files(p)
             if found:

@@ -193,15 +193,22 @@ class TorchBinReader:
 # where the files are: local directories, our run directories, the hub
 # ---------------------------------------------------------------------------------------------
 
+def newest_checkpoint(path: Path) -> Path:
+    """A training run directory -> the checkpoint its LATEST file names; any other path unchanged.
+    The one place that reads LATEST (checkpoint.save writes it)."""
+    pointer = Path(path) / LATEST_POINTER
+    if pointer.is_file() and not (Path(path) / NATIVE_META).exists():
+        return Path(path) / pointer.read_text().strip()
+    return Path(path)
+
+
 def resolve_directory(name_or_path: str | os.PathLike) -> Path:
     """A local directory holding the model: the path itself, a run's LATEST checkpoint, or a hub snapshot."""
     path = Path(name_or_path).expanduser()
     if path.is_file():
         path = path.parent  # model.safetensors or config.json given directly
     if path.is_dir():
-        latest = path / LATEST_POINTER
-        if latest.is_file() and not (path / NATIVE_META).exists():
-            path = path / latest.read_text().strip()
+        path = newest_checkpoint(path)
         if not ((path / NATIVE_META).exists() or (path / "config.json").exists()):
             raise CheckpointError(f"{path}: no config.json (Hugging Face) or {NATIVE_META} (gpt2 checkpoint) here")
         return path
@@ -270,7 +277,7 @@ def _open_readers(directory: Path) -> list:
     raise CheckpointError(f"{directory}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -287,11 +294,11 @@ def read_config(directory: Path) -> tuple[GPTConfig, str]:
     native = directory / NATIVE_META
     try:
         if native.exists():
-            meta = _read_json(native)
+            meta = read_json(native)
             if meta.get("format") != NATIVE_FORMAT:
                 raise CheckpointError(f"{native}: not a gpt2 checkpoint description")
             return GPTConfig(**meta["config"]), "gpt2"
-        return GPTConfig.from_hf_dict(_read_json(directory / "config.json"), source=str(directory / "config.json")), "hf"
+        return GPTConfig.from_hf_dict(read_json(directory / "config.json"), source=str(directory / "config.json")), "hf"
     except (ConfigError, TypeError, KeyError) as e:
         raise CheckpointError(f"{directory}: unusable model config: {e}") from None
 
