@@ -24,12 +24,17 @@ def make_hf_model(seed=0, attn_implementation="eager", **config):
     return transformers.GPT2LMHeadModel(hf_config).eval()
 
 
+def save_hf_model(directory, seed=0, **config):
+    """make_hf_model(seed, **config) written to `directory` by save_pretrained; returns the model."""
+    model = make_hf_model(seed=seed, **config)
+    model.save_pretrained(directory)
+    return model
+
+
 @pytest.fixture
 def hf_model_dir(tmp_path):
     """Factory: (hf_model, directory) with the model written by save_pretrained."""
     def make(seed=0, **config):
-        model = make_hf_model(seed=seed, **config)
         directory = tmp_path / f"hf_{seed}_{abs(hash(tuple(sorted(config.items()))))}"
-        model.save_pretrained(directory)
-        return model, directory
+        return save_hf_model(directory, seed=seed, **config), directory
     return make

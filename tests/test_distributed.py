@@ -18,8 +18,9 @@ import torch
 from gpt2 import GPT
 from test_train import _env, cli_args, make_corpus, step_losses
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                                 reason="needs torch.distributed with gloo")]
 
 RUN = dict(max_steps=8, checkpoint_interval=8, eval_interval=4, lr=1e-2, warmup_steps=2)
 

@@ -19,7 +19,7 @@ from gpt2.cli import main
 from gpt2.data import write_shard
 from gpt2.tokenizer import Tokenizer
 
-from conftest import make_hf_model
+from conftest import save_hf_model
 
 V = 50257  # the real vocabulary: text goes through GPT-2's tokenizer
 N_POSITIONS = 32
@@ -42,10 +42,9 @@ def tok():
 def hf_and_dir(tmp_path_factory):
     # A large init makes the predictions depend on the context: at GPT-2's 0.02 they are so near
     # uniform that scoring tokens with the wrong context moves the perplexity by less than 1e-4.
-    hf = make_hf_model(seed=3, vocab_size=V, n_layer=2, n_head=2, n_embd=32, n_positions=N_POSITIONS,
-                       initializer_range=0.5)
     directory = tmp_path_factory.mktemp("eval_model")
-    hf.save_pretrained(directory)
+    hf = save_hf_model(directory, seed=3, vocab_size=V, n_layer=2, n_head=2, n_embd=32, n_positions=N_POSITIONS,
+                       initializer_range=0.5)
     return hf, directory
 
 

@@ -333,6 +333,7 @@ def _png_pixels(path):
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed (Debian package: chromium)")
 def test_html_renders_block_diagram_in_chromium(tmp_path):
     page = tmp_path / "sheet.html"

@@ -409,6 +409,7 @@ def test_stop_cancels_what_is_left_after_the_timeout(model):
         sched.submit([Sequence(prompt=[1], max_new_tokens=1)])
 
 
+@pytest.mark.slow
 def test_sigterm_lets_in_flight_requests_finish(model_dir, model, tok):
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

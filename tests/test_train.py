@@ -237,6 +237,7 @@ def test_time_budget_ends_the_run_and_the_bar_counts_its_seconds(corpus, tmp_pat
     assert "3/3 s [" in bar and f"step {record['step']} |" in bar  # seconds of the budget; the step in the postfix
 
 
+@pytest.mark.slow
 def test_compiled_training_follows_eager(corpus, tmp_path):
     """--compile (torch.compile of the model, the fused head loss included) takes the same steps."""
     eager = tiny_config(corpus, tmp_path / "eager", max_steps=4, checkpoint_interval=4, eval_interval=4)
@@ -262,6 +263,7 @@ def _env():
     return env
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_is_bit_exact(corpus, tmp_path):
     args = dict(max_steps=120, checkpoint_interval=20, eval_interval=40, n_embd=64, n_layer=2, seq_len=32,
                 batch_size=8)

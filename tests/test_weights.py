@@ -253,6 +253,7 @@ def test_info_on_a_directory_reads_only_headers(hf_model_dir):
 
 # --- memory --------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_loading_774m_peaks_below_1_3x_the_weight_bytes(tmp_path):
     """Build a random gpt2-large directory, load it in a fresh process, and read that process's peak RSS."""
     with torch.device("meta"):
