@@ -333,14 +333,12 @@ def add_generate_parser(sub):
 
 
 def cmd_generate(args):
+    from gpt2.config import require_gpt2_vocab
     from gpt2.engine import make_config
     from gpt2.quantize import load_for_inference
-    from gpt2.errors import ConfigError
     from gpt2.tokenizer import Tokenizer
     model = load_for_inference(args.model, dtype=args.dtype, device=args.device)
-    if model.config.vocab_size != 50257:
-        raise ConfigError(f"{args.model}: a vocabulary of {model.config.vocab_size} tokens is not GPT-2's; "
-                          "text generation needs the GPT-2 tokenizer")
+    require_gpt2_vocab(model.config, args.model)
     tok = Tokenizer.from_pretrained(args.model)
     prompt = sys.stdin.read() if args.stdin else args.prompt
     cfg = make_config(args.max_new_tokens, args.temperature, args.top_k, args.top_p, min_p=args.min_p,

@@ -142,3 +142,10 @@ _HF_IGNORED = {
     "_attn_implementation_autoset", "attn_implementation", "_commit_hash", "use_return_dict",
     "tf_legacy_loss", "use_bfloat16",
 }
+
+
+def require_gpt2_vocab(config: GPTConfig, what: str) -> None:
+    """Raise ConfigError unless `config` has GPT-2's vocabulary: text in and out needs GPT-2's tokenizer."""
+    if config.vocab_size != GPT2_VOCAB_SIZE:
+        raise ConfigError(f"{what}: a vocabulary of {config.vocab_size} tokens is not GPT-2's; text in and out "
+                          "needs the GPT-2 tokenizer")
