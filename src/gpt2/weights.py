@@ -29,13 +29,15 @@ import math
 import os
 import re
 import struct
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from gpt2.atomic import atomic_write_bytes, atomic_write_json
-from gpt2.config import PRESETS, GPTConfig
-from gpt2.errors import CheckpointError, ConfigError
+from gpt2.config import GPT2_EOT, GPT2_VOCAB_SIZE, PRESETS, GPTConfig
+from gpt2.errors import CheckpointError, ConfigError, TokenizerError
 from gpt2.model import GPT
 
 # Conv1D weights in Transformers, nn.Linear here: the only difference between the two layouts.
@@ -49,10 +51,13 @@ NATIVE_META = "gpt2.json"
 NATIVE_FORMAT = "gpt2-checkpoint"
 LATEST_POINTER = "LATEST"  # a training run directory names its newest checkpoint in this file
 
+# The one table of weight and activation dtypes by name: the CLI's --dtype choices, inspect's byte
+# counts and training's autocast all read it.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def parse_dtype(dtype) -> torch.dtype | None:
+    """A torch.dtype from its name in DTYPES (or a torch.dtype, or None, unchanged); ConfigError otherwise."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
@@ -303,6 +308,34 @@ def read_config(directory: Path) -> tuple[GPTConfig, str]:
         raise CheckpointError(f"{directory}: unusable model config: {e}") from None
 
 
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """What a preset name or a model directory/hub name stands for, before any weights are read."""
+    config: GPTConfig
+    source: str              # "preset gpt2", or the directory
+    directory: Path | None   # None for a preset: there are no weights
+    layout: str | None       # "gpt2" (ours) or "hf"; None for a preset
+
+
+def preset_name(name_or_path) -> str | None:
+    """The preset a name means (gpt2, gpt2-xl, openai-community/gpt2-medium, ...), or None.
+
+    A local path of that name wins over the preset, so a directory called "gpt2" is read as one.
+    """
+    key = str(name_or_path).removeprefix("openai-community/")
+    return key if key in PRESETS and not Path(name_or_path).exists() else None
+
+
+def resolve_config(name_or_path) -> ResolvedConfig:
+    """A preset's config, or the config of a model directory, run directory or hub name (`gpt2 info`, `gpt2 inspect`)."""
+    preset = preset_name(name_or_path)
+    if preset is not None:
+        return ResolvedConfig(GPTConfig.preset(preset), f"preset {preset}", None, None)
+    directory = resolve_directory(name_or_path)
+    config, layout = read_config(directory)
+    return ResolvedConfig(config, str(directory), directory, layout)
+
+
 # ---------------------------------------------------------------------------------------------
 # loading
 # ---------------------------------------------------------------------------------------------
@@ -387,8 +420,8 @@ def save_hf(model: GPT, directory, tokenizer=None, dtype=None) -> str:
     config = model.config.to_hf_dict()
     config["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     atomic_write_json(directory / "config.json", config)
-    if model.config.vocab_size > 50256:
-        atomic_write_json(directory / "generation_config.json", {"bos_token_id": 50256, "eos_token_id": 50256})
+    if model.config.vocab_size > GPT2_EOT:
+        atomic_write_json(directory / "generation_config.json", {"bos_token_id": GPT2_EOT, "eos_token_id": GPT2_EOT})
     _save_tokenizer(directory, model.config, tokenizer)
     return str(directory)
 
@@ -408,11 +441,13 @@ def save_native(model: GPT, directory, meta: dict | None = None, dtype=None) -> 
 
 def _save_tokenizer(directory: Path, config: GPTConfig, tokenizer) -> None:
     """Tokenizer files beside the weights: the given tokenizer, or GPT-2's when the vocabulary is GPT-2's."""
-    if tokenizer is None and config.vocab_size == 50257:
+    if tokenizer is None and config.vocab_size == GPT2_VOCAB_SIZE:
+        from gpt2.tokenizer import Tokenizer
         try:
-            from gpt2.tokenizer import Tokenizer
             tokenizer = Tokenizer.gpt2()
-        except Exception:  # the vocabulary is optional here: weights are complete without it
+        except TokenizerError as e:
+            # The weights are complete without the vocabulary, so saving goes on, but says what is missing.
+            warnings.warn(f"{directory}: saved without tokenizer files: {e}", stacklevel=3)
             return
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
@@ -420,9 +455,10 @@ def _save_tokenizer(directory: Path, config: GPTConfig, tokenizer) -> None:
 
 def convert(src, dst, to: str | None = None, dtype=None) -> str:
     """Between our checkpoints and Hugging Face directories; `to` defaults to the other layout."""
-    _, layout = read_config(resolve_directory(src))
+    directory = resolve_directory(src)
+    _, layout = read_config(directory)
     to = to or ("hf" if layout == "gpt2" else "gpt2")
-    model = load_model(src, dtype=parse_dtype(dtype))
+    model = load_model(directory, dtype=parse_dtype(dtype))
     return save_hf(model, dst) if to == "hf" else save_native(model, dst)
 
 
@@ -432,24 +468,22 @@ def convert(src, dst, to: str | None = None, dtype=None) -> str:
 
 def describe_model(name_or_path: str) -> dict:
     """Config, parameter count, dtype and bytes, without loading any weights."""
-    if name_or_path in PRESETS and not Path(name_or_path).exists():
-        config, weights, dtype = GPTConfig.preset(name_or_path), "none (a preset: random init)", torch.float32
-        source = f"preset {name_or_path}"
+    resolved = resolve_config(name_or_path)
+    if resolved.directory is None:
+        weights, dtype = "none (a preset: random init)", torch.float32
     else:
-        directory = resolve_directory(name_or_path)
-        config, layout = read_config(directory)
-        readers = _open_readers(directory)
+        readers = _open_readers(resolved.directory)
         dtypes = {reader.dtype(k) for reader in readers for k in reader.keys() if not canonical_key(k).endswith(SKIPPED)}
         dtype = torch.float32 if len(dtypes) != 1 else dtypes.pop()
-        weights = ", ".join(str(r.path.name) for r in readers) + f" ({'gpt2 checkpoint' if layout == 'gpt2' else 'Hugging Face'})"
-        source = str(directory)
+        layout = "gpt2 checkpoint" if resolved.layout == "gpt2" else "Hugging Face"
+        weights = ", ".join(str(r.path.name) for r in readers) + f" ({layout})"
     with torch.device("meta"):
-        parameters = GPT(config).num_parameters()
+        parameters = GPT(resolved.config).num_parameters()
     return {
-        "source": source,
+        "source": resolved.source,
         "weights": weights,
         "parameters": parameters,
         "dtype": str(dtype).removeprefix("torch."),
         "bytes": parameters * torch.empty(0, dtype=dtype).element_size(),
-        "config": config.to_dict(),
+        "config": resolved.config.to_dict(),
     }
