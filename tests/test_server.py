@@ -28,7 +28,7 @@ import uvicorn
 from openai import OpenAI
 
 from gpt2 import GPT, GPTConfig
-from gpt2.batching import Scheduler, SchedulerClosed, Sequence
+from gpt2.batching import Continuation, Scheduler, SchedulerClosed
 from gpt2.engine import generate
 from gpt2.sampling import SamplingConfig
 from gpt2.server import ServerConfig, create_app
@@ -132,7 +132,7 @@ def test_sequences_merged_mid_flight_match_engine_generate(model):
         return emit
 
     for name, (p, n, sampling, seed) in specs.items():
-        seqs[name] = Sequence(prompt=p, max_new_tokens=n, emit=on_event(name), sampling=sampling, seed=seed)
+        seqs[name] = Continuation(prompt=p, max_new_tokens=n, emit=on_event(name), sampling=sampling, seed=seed)
     sched.start()
     try:
         sched.submit([seqs["A"]])
@@ -145,7 +145,7 @@ def test_sequences_merged_mid_flight_match_engine_generate(model):
                        presence_penalty=sampling.presence_penalty, seed=seed)[0]
         assert out[name] == ref, name
         assert seqs[name].finish_reason == ("length" if len(ref) == n else "stop")
-    assert sched.shifts >= 1 and sched.compactions >= 1  # both storage moves were exercised
+    assert sched.kv.shifts >= 1 and sched.kv.compactions >= 1  # both storage moves were exercised
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,7 +397,7 @@ def test_client_disconnect_cancels_its_work(model, tok):
 def test_stop_cancels_what_is_left_after_the_timeout(model):
     sched = Scheduler(SlowModel(model, 0.02), max_batch=2, max_queue=4).start()
     events = []
-    seqs = [Sequence(prompt=[1, 2, 3], max_new_tokens=100, emit=events.append) for _ in range(4)]
+    seqs = [Continuation(prompt=[1, 2, 3], max_new_tokens=100, emit=events.append) for _ in range(4)]
     sched.submit(seqs)  # two decode, two wait
     time.sleep(0.2)
     t = time.monotonic()
@@ -406,7 +406,7 @@ def test_stop_cancels_what_is_left_after_the_timeout(model):
     assert [s.finish_reason for s in seqs] == ["cancelled"] * 4
     assert sum(ev[0] == "done" for ev in events) == 4
     with pytest.raises(SchedulerClosed):
-        sched.submit([Sequence(prompt=[1], max_new_tokens=1)])
+        sched.submit([Continuation(prompt=[1], max_new_tokens=1)])
 
 
 @pytest.mark.slow

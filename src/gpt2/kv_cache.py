@@ -7,6 +7,15 @@
 The engine allocates it once per request batch; nothing is reallocated per step. Attention layers
 write their new keys and values at `pos` through `update`, and the model calls `advance` exactly once
 per forward, after the last layer, so every layer of one forward sees the same `pos`.
+
+BatchKV is the continuous-batching scheduler's cache (batching.py): sequences of different lengths,
+joining and leaving between decode steps, in one storage with one write position.
+
+    kv = BatchKV.for_model(model, max_batch=16)
+    kv.insert(prefilled)                     # a batch-1 KVCache after its prefill becomes the last row
+    mask = kv.decode_mask()                  # room for column pos, marked for every row: (rows, pos + 1)
+    logits = model(ids, cache=kv, attention_mask=mask)   # ids (rows, 1): writes column pos, advances pos
+    kv.remove(i)                             # row i leaves; the last row moves into slot i
 """
 
 from __future__ import annotations
@@ -35,10 +44,6 @@ class KVCache:
         return cls(config.n_layer, batch_size, config.n_head, capacity, config.head_size,
                    device=weight.device, dtype=dtype or weight.dtype)
 
-    @property
-    def batch_size(self) -> int:
-        return self.k.size(1)
-
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (B, nh, T, hs) at [pos, pos+T); return all keys and values so far (B, nh, pos+T, hs)."""
         end = self.pos + k.size(2)
@@ -51,5 +56,152 @@ class KVCache:
     def advance(self, num_positions: int) -> None:
         self.pos += num_positions
 
-    def reset(self) -> None:
-        self.pos = 0
+
+class BatchKV:
+    """Keys and values of up to max_batch sequences that join and leave between decode steps.
+
+    Storage k, v (L, max_batch, nh, C, hs); live rows packed at [0, rows):
+      * All rows share one write position `pos` (P). A row's tokens sit right-aligned in columns
+        [P - len, P), and `mask` (max_batch, C) is 1 there and 0 to the left, exactly like left
+        padding; the model derives positions as cumsum(mask) - 1, so they stay correct.
+      * insert: a prefilled batch-1 KVCache's keys and values are copied into row `rows`, right-aligned
+        to end at P. A prompt longer than P first shifts every row right.
+      * remove: the last row moves into the freed slot.
+      * make_room: when column P would pass the storage, drop the leading columns no live row uses
+        (compaction), or grow the storage (doubling, up to max_capacity). A row never spans more than
+        its prompt plus max_new_tokens - 1 <= n_positions - 1 columns, so compaction always frees one.
+      * update/advance: the cache interface the model's forward uses, over the live rows (decode only:
+        prefill happens in a KVCache, then insert).
+    """
+
+    def __init__(self, n_layer: int, max_batch: int, n_head: int, head_size: int, max_capacity: int,
+                 initial_capacity: int = 128, device=None, dtype=torch.float32):
+        self.shape = (n_layer, max_batch, n_head, head_size)
+        self.max_capacity = max_capacity
+        self.initial_capacity = min(initial_capacity, max_capacity)
+        self.device, self.dtype = device, dtype
+        self.k = self.v = self.mask = None  # allocated on the first insert
+        self.rows = 0                       # live rows, packed at [0, rows)
+        self.pos = 0                        # the shared write position P
+        self.shifts = self.compactions = 0  # rows moved right for a long prompt / left to free columns
+
+    @classmethod
+    def for_model(cls, model, max_batch: int, initial_capacity: int = 128) -> "BatchKV":
+        config = model.config
+        weight = model.transformer.wte.weight
+        return cls(config.n_layer, max_batch, config.n_head, config.head_size, config.n_positions,
+                   initial_capacity, device=weight.device, dtype=weight.dtype)
+
+    @property
+    def capacity(self) -> int:
+        """Columns allocated so far."""
+        return 0 if self.k is None else self.k.size(3)
+
+    # -- rows join and leave -------------------------------------------------------------------
+
+    def insert(self, cache: KVCache) -> int:
+        """Copy a batch-1 cache's first cache.pos positions into a new last row, ending at pos; its index."""
+        T = cache.pos
+        if self.rows == self.shape[1]:
+            raise ValueError(f"all {self.rows} rows are in use")
+        if self.rows == 0:
+            self.pos = 0
+        self._grow(max(T, self.pos))
+        if T > self.pos:  # shift the batch right so the new row fits, ending at pos
+            self._shift(T - self.pos)
+        i, P = self.rows, self.pos
+        self.k[:, i, :, P - T:P] = cache.k[:, 0, :, :T]
+        self.v[:, i, :, P - T:P] = cache.v[:, 0, :, :T]
+        self.mask[i].zero_()
+        self.mask[i, P - T:P] = 1
+        self.rows += 1
+        return i
+
+    def remove(self, i: int) -> None:
+        """Row i leaves; the last row moves into its slot (a caller's list of rows does the same)."""
+        last = self.rows - 1
+        if i != last:
+            self.k[:, i] = self.k[:, last]
+            self.v[:, i] = self.v[:, last]
+            self.mask[i] = self.mask[last]
+        self.rows = last
+        if last == 0:
+            self.pos = 0
+
+    def clear(self) -> None:
+        """Every row leaves (the storage stays allocated)."""
+        self.rows = self.pos = 0
+
+    # -- one decode step -----------------------------------------------------------------------
+
+    def decode_mask(self) -> torch.Tensor:
+        """Make column pos exist and mark it for every live row; the step's attention mask (rows, pos + 1)."""
+        self.make_room()
+        self.mask[:self.rows, self.pos] = 1
+        return self.mask[:self.rows, :self.pos + 1]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (rows, nh, T, hs) at [pos, pos+T); return the live rows' keys and values (rows, nh, pos+T, hs)."""
+        end = self.pos + k.size(2)
+        if end > self.capacity:
+            raise ContextLengthError(f"KV cache is full: {end} positions needed, capacity is {self.capacity}")
+        B = self.rows
+        self.k[layer, :B, :, self.pos:end] = k
+        self.v[layer, :B, :, self.pos:end] = v
+        return self.k[layer, :B, :, :end], self.v[layer, :B, :, :end]
+
+    def advance(self, num_positions: int) -> None:
+        self.pos += num_positions
+
+    # -- storage geometry ----------------------------------------------------------------------
+
+    def make_room(self) -> None:
+        """Make column pos exist: grow the storage, or drop leading columns that every live row masks out."""
+        B, P, C = self.rows, self.pos, self.capacity
+        if P < C:
+            return
+        used = self.mask[:B, :P].any(dim=0).nonzero()
+        free = int(used[0]) if len(used) else P  # leading columns no live row uses
+        if C < self.max_capacity and free < C // 2:
+            self._grow(P + 1)
+            return
+        if free == 0:  # cannot happen while every row fits in max_capacity - 1 columns
+            raise ContextLengthError("no room left in the batch's KV cache")
+        keep = P - free
+        self.k[:, :B, :, :keep] = self.k[:, :B, :, free:P].clone()
+        self.v[:, :B, :, :keep] = self.v[:, :B, :, free:P].clone()
+        self.mask[:B, :keep] = self.mask[:B, free:P].clone()
+        self.mask[:B, keep:] = 0
+        self.pos = keep
+        self.compactions += 1
+
+    def _grow(self, columns: int) -> None:
+        """Storage with at least `columns` columns (doubling, up to max_capacity); contents kept."""
+        C = self.capacity
+        if columns <= C:
+            return
+        new_c = max(self.initial_capacity, C)
+        while new_c < columns:
+            new_c *= 2
+        new_c = min(new_c, self.max_capacity)
+        n_layer, max_batch, n_head, head_size = self.shape
+        k = torch.zeros(n_layer, max_batch, n_head, new_c, head_size, dtype=self.dtype, device=self.device)
+        v = torch.zeros_like(k)
+        mask = torch.zeros(max_batch, new_c, dtype=torch.long, device=self.device)
+        if C:
+            k[..., :C, :] = self.k
+            v[..., :C, :] = self.v
+            mask[:, :C] = self.mask
+        self.k, self.v, self.mask = k, v, mask
+
+    def _shift(self, d: int) -> None:
+        """Move every live row d columns right (the new pos is pos + d)."""
+        B, P = self.rows, self.pos
+        self._grow(P + d)
+        if B and P:
+            self.k[:, :B, :, d:P + d] = self.k[:, :B, :, :P].clone()
+            self.v[:, :B, :, d:P + d] = self.v[:, :B, :, :P].clone()
+            self.mask[:B, d:P + d] = self.mask[:B, :P].clone()
+        self.mask[:B, :d] = 0
+        self.pos = P + d
+        self.shifts += B > 0

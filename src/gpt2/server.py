@@ -12,8 +12,13 @@ lists; max_tokens, temperature, top_p, n, stop, stream (server-sent events endin
 seed, logprobs, echo, presence_penalty, frequency_penalty, logit_bias, user), GET /v1/models, GET /health.
 
 This file is the text edge: it turns JSON and text into token ids and back, and nothing else. Generation
-is batching.py's Scheduler: every request's sequences join one shared decode loop. Choice j of a prompt
+is batching.py's Scheduler: every request's sequences join one shared decode loop, on the one thread
+that runs the model (the prompt's own logprobs for `echo` come from its prefill). Choice j of a prompt
 with `seed` s samples with seed s + j, so it is reproducible whatever else the server is doing.
+
+One request, in three parts: request_to_sequences (pure: the request as token-id Continuations),
+the event pump (_Pump: scheduler events -> each choice's text and logprobs), and plain functions that
+format OpenAI's shapes.
 
 Bad input never gets a 500 or a hung connection: broken JSON or UTF-8 and too-long prompts get 400,
 a body over the limit 413, wrong types, out-of-range values and unknown fields 422, all as OpenAI's
@@ -31,7 +36,7 @@ import json
 import sys
 import time
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -41,8 +46,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gpt2.batching import QueueFull, Scheduler, SchedulerClosed, Sequence, prompt_logprobs
-from gpt2.config import GPT2_EOT
+from gpt2.batching import Continuation, QueueFull, Scheduler, SchedulerClosed
+from gpt2.config import GPT2_EOT, require_gpt2_vocab
 from gpt2.sampling import SamplingConfig
 from gpt2.tokenizer import TextStream
 
@@ -114,6 +119,24 @@ _UNION_FIELDS = {  # pydantic reports every union member's failure; one sentence
 }
 
 
+def parse_request(body: bytes) -> CompletionRequest:
+    """The body as a CompletionRequest; APIError 400 (not UTF-8, not a JSON object) or 422 (the schema)."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise APIError(400, "the request body is not valid UTF-8", code="invalid_utf8") from None
+    try:
+        obj = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    try:
+        return CompletionRequest.model_validate(obj)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+
+
 def _validation_error(e: ValidationError) -> APIError:
     """422 naming the first offending field; never echoes the input itself."""
     err = e.errors(include_url=False, include_input=False)[0]
@@ -174,28 +197,19 @@ def create_app(model, tokenizer, cfg: ServerConfig, model_name: str | None = Non
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _read_body(request, cfg.max_body_bytes)
-        try:
-            text = body.decode("utf-8")
-        except UnicodeDecodeError:
-            raise APIError(400, "the request body is not valid UTF-8", code="invalid_utf8") from None
-        try:
-            obj = json.loads(text)
-        except (json.JSONDecodeError, RecursionError):
-            raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
-        if not isinstance(obj, dict):
-            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-        try:
-            req = CompletionRequest.model_validate(obj)
-        except ValidationError as e:
-            raise _validation_error(e) from None
-        job = _Job(req, model, tokenizer, cfg, scheduler, model_name)
-        await job.prepare()
-        job.submit()
+        req = parse_request(await _read_body(request, cfg.max_body_bytes))
+        seqs = request_to_sequences(req, tokenizer, model.config, cfg)
+        stop = stop_strings(req)
+        choices = [_Choice(i, s.prompt, tokenizer, stop, bool(req.echo), req.logprobs) for i, s in enumerate(seqs)]
+        pump = _Pump(scheduler, seqs, choices, prompt_tokens=sum(len(s.prompt) for s in seqs) // (req.n or 1))
+        pump.submit()
+        head = {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()),
+                "model": model_name}
         if req.stream:
-            return StreamingResponse(job.events(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return await job.result(request)
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+            return StreamingResponse(completion_events(pump, head, bool(req.echo), include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await completion_response(pump, head, request)
 
     return app
 
@@ -236,84 +250,91 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 # ---------------------------------------------------------------------------------------------
-# one request: prompts -> sequences -> choices
+# one request, as token ids: CompletionRequest -> one Continuation per choice (no HTTP, no event loop)
 # ---------------------------------------------------------------------------------------------
 
-class _Job:
-    def __init__(self, req: CompletionRequest, model, tokenizer, cfg: ServerConfig, scheduler: Scheduler, name: str):
-        self.req, self.model, self.tok, self.cfg, self.scheduler = req, model, tokenizer, cfg, scheduler
-        self.id = "cmpl-" + uuid.uuid4().hex
-        self.created = int(time.time())
-        self.name = name
-        self.n = req.n or 1
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self._polled = time.monotonic()
+def request_to_sequences(req: CompletionRequest, tokenizer, config, cfg: ServerConfig) -> list[Continuation]:
+    """One Continuation per choice, index = prompt * n + j, with `emit` unset; APIError for what the
+    schema cannot check (empty prompts, ids outside the vocabulary, the context, the choice limit)."""
+    prompts = prompt_ids(req.prompt, tokenizer, config.vocab_size)
+    n = req.n or 1
+    limit = min(cfg.max_choices, cfg.max_batch + cfg.max_queue)
+    if len(prompts) * n > limit:
+        raise APIError(400, f"{len(prompts)} prompts x n={n} is more than the {limit} completions one request "
+                            "may ask for", param="n", code="too_many_choices")
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    for ids in prompts:
+        if len(ids) + max_tokens > config.n_positions:
+            raise APIError(400, f"This model's maximum context length is {config.n_positions} tokens, however you "
+                                f"requested {len(ids) + max_tokens} tokens ({len(ids)} in your prompt; {max_tokens} "
+                                "for the completion). Please reduce your prompt or completion length.",
+                           param="max_tokens" if max_tokens >= config.n_positions else "prompt",
+                           code="context_length_exceeded")
+    sampling = sampling_config(req, config.vocab_size)
+    # Choice j of a prompt samples with seed + j, so each is reproducible whatever else runs.
+    return [Continuation(prompt=ids, max_new_tokens=max_tokens, sampling=sampling,
+                         seed=None if req.seed is None else (req.seed + j) % (1 << 64), logprobs=req.logprobs,
+                         echo_logprobs=bool(req.echo) and req.logprobs is not None)
+            for ids in prompts for j in range(n)]
 
-    async def prepare(self) -> None:
-        """Token ids of every prompt, the limits, one Sequence per choice (index = prompt * n + j)."""
-        req, config = self.req, self.model.config
-        self.prompts = self._prompt_ids(req.prompt, config.vocab_size)
-        if len(self.prompts) * self.n > min(self.cfg.max_choices, self.cfg.max_batch + self.cfg.max_queue):
-            raise APIError(400, f"{len(self.prompts)} prompts x n={self.n} is more than the "
-                                f"{min(self.cfg.max_choices, self.cfg.max_batch + self.cfg.max_queue)} "
-                                "completions one request may ask for", param="n", code="too_many_choices")
-        max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        for ids in self.prompts:
-            if len(ids) + max_tokens > config.n_positions:
-                raise APIError(400, f"This model's maximum context length is {config.n_positions} tokens, however you "
-                                    f"requested {len(ids) + max_tokens} tokens ({len(ids)} in your prompt; {max_tokens} "
-                                    "for the completion). Please reduce your prompt or completion length.",
-                               param="max_tokens" if max_tokens >= config.n_positions else "prompt",
-                               code="context_length_exceeded")
-        bias = {}
-        for key, value in (req.logit_bias or {}).items():
-            if not key.isdigit() or int(key) >= config.vocab_size:
-                raise APIError(422, f"logit_bias: {key[:20]!r} is not a token id", param="logit_bias",
-                               code="invalid_value")
-            bias[int(key)] = value
-        temperature = 1.0 if req.temperature is None else req.temperature
-        sampling = SamplingConfig(temperature=temperature, top_p=None if req.top_p in (None, 1.0) else req.top_p,
-                                  presence_penalty=req.presence_penalty or 0.0,
-                                  frequency_penalty=req.frequency_penalty or 0.0, logit_bias=bias)
-        self.stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        self.echo_logprobs = None
-        if req.echo and req.logprobs is not None:  # the prompt's own logprobs: one full forward each
-            self.echo_logprobs = [await asyncio.to_thread(prompt_logprobs, self.model, ids, req.logprobs)
-                                  for ids in self.prompts]
-        loop = asyncio.get_running_loop()
-        self.seqs = []
-        for p, ids in enumerate(self.prompts):
-            for j in range(self.n):
-                index = p * self.n + j
-                seed = None if req.seed is None else (req.seed + j) % (1 << 64)
-                emit = (lambda ev, i=index: loop.call_soon_threadsafe(self.queue.put_nowait, (i, ev)))
-                self.seqs.append(Sequence(prompt=ids, max_new_tokens=max_tokens, emit=emit, sampling=sampling,
-                                          seed=seed, logprobs=req.logprobs))
-        self.choices = [_Choice(self, index, self.prompts[index // self.n]) for index in range(len(self.seqs))]
 
-    def _prompt_ids(self, prompt, vocab_size: int) -> list[list[int]]:
-        if isinstance(prompt, str):
-            prompts = [prompt]
-        elif prompt and all(isinstance(x, int) for x in prompt):
-            prompts = [prompt]
+def prompt_ids(prompt, tokenizer, vocab_size: int) -> list[list[int]]:
+    """The request's prompt field as a list of token-id prompts."""
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif prompt and all(isinstance(x, int) for x in prompt):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise APIError(400, "prompt is empty", param="prompt", code="invalid_value")
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            # GPT-2 has no BOS token: an empty prompt starts from <|endoftext|>, as OpenAI's did.
+            ids = tokenizer.encode(p, allowed_special="all") or [GPT2_EOT]
         else:
-            prompts = list(prompt)
-        if not prompts:
-            raise APIError(400, "prompt is empty", param="prompt", code="invalid_value")
-        out = []
-        for p in prompts:
-            if isinstance(p, str):
-                # GPT-2 has no BOS token: an empty prompt starts from <|endoftext|>, as OpenAI's did.
-                ids = self.tok.encode(p, allowed_special="all") or [GPT2_EOT]
-            else:
-                if not p:
-                    raise APIError(400, "a token-id prompt is empty", param="prompt", code="invalid_value")
-                if max(p) >= vocab_size:
-                    raise APIError(400, f"prompt holds token ids outside [0, {vocab_size})", param="prompt",
-                                   code="invalid_value")
-                ids = list(p)
-            out.append(ids)
-        return out
+            if not p:
+                raise APIError(400, "a token-id prompt is empty", param="prompt", code="invalid_value")
+            if max(p) >= vocab_size:
+                raise APIError(400, f"prompt holds token ids outside [0, {vocab_size})", param="prompt",
+                               code="invalid_value")
+            ids = list(p)
+        out.append(ids)
+    return out
+
+
+def sampling_config(req: CompletionRequest, vocab_size: int) -> SamplingConfig:
+    bias = {}
+    for key, value in (req.logit_bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise APIError(422, f"logit_bias: {key[:20]!r} is not a token id", param="logit_bias", code="invalid_value")
+        bias[int(key)] = value
+    return SamplingConfig(temperature=1.0 if req.temperature is None else req.temperature,
+                          top_p=None if req.top_p in (None, 1.0) else req.top_p,
+                          presence_penalty=req.presence_penalty or 0.0,
+                          frequency_penalty=req.frequency_penalty or 0.0, logit_bias=bias)
+
+
+def stop_strings(req: CompletionRequest) -> list[str]:
+    return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+
+
+# ---------------------------------------------------------------------------------------------
+# the event pump: scheduler thread -> asyncio queue -> choices
+# ---------------------------------------------------------------------------------------------
+
+class _Pump:
+    """One request's sequences in the scheduler, and their events applied to its choices on the event loop."""
+
+    def __init__(self, scheduler: Scheduler, seqs: list[Continuation], choices: list["_Choice"], prompt_tokens: int):
+        self.scheduler, self.seqs, self.choices, self.prompt_tokens = scheduler, seqs, choices, prompt_tokens
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.disconnected = False
+        self._polled = time.monotonic()
+        loop = asyncio.get_running_loop()
+        for index, seq in enumerate(seqs):  # emit runs on the scheduler thread: hand over to the loop
+            seq.emit = lambda ev, i=index: loop.call_soon_threadsafe(self.queue.put_nowait, (i, ev))
 
     def submit(self) -> None:
         try:
@@ -325,17 +346,41 @@ class _Job:
             raise APIError(503, "the server is shutting down", type="server_busy", code="shutting_down",
                            headers={"Retry-After": "5"}) from None
 
-    def cancel_all(self) -> None:
-        for s in self.seqs:
-            if s.finish_reason is None:
-                self.scheduler.cancel(s)
+    async def updates(self, request: Request | None = None):
+        """(choice, kind, text, first) per event, once applied to its choice, until every choice is done.
+
+        kind "prompt": text is the echoed prompt (its logprobs arrived); "token": text is what is now
+        safe to show (maybe ""); "done": text is the held-back tail. first: the choice's first logprob
+        entry this event added. request: watch it for a disconnect (non-streaming responses; a stream's
+        disconnect cancels the response itself). On leaving, unfinished sequences are cancelled.
+        """
+        try:
+            pending = len(self.choices)
+            while pending:
+                item = await self._next_event(request)
+                if item is None:
+                    self.disconnected = True
+                    return
+                index, event = item
+                choice = self.choices[index]
+                first = len(choice.lp_tokens)
+                if event[0] == "prompt":
+                    text = choice.push_prompt(event[1])
+                elif event[0] == "token":
+                    text = choice.push(event[1], event[2])
+                    if choice.text.stopped:
+                        self.scheduler.cancel(self.seqs[index], "stop")
+                else:
+                    text = choice.finish(event[1])
+                    pending -= 1
+                yield choice, event[0], text, first
+        finally:
+            for s in self.seqs:
+                if s.finish_reason is None:
+                    self.scheduler.cancel(s)
 
     async def _next_event(self, request: Request | None):
-        """The next (choice index, event); None if the client went away.
-
-        request: poll it for a disconnect every half second (non-streaming responses; a stream
-        notices a disconnect itself, when a write fails).
-        """
+        """The next (choice index, event); None if the client went away (polled every half second)."""
         while True:
             if request is not None and time.monotonic() - self._polled > 0.5:
                 self._polled = time.monotonic()
@@ -346,135 +391,129 @@ class _Job:
             except (asyncio.TimeoutError, TimeoutError):
                 pass
 
-    def _handle(self, index: int, event) -> str:
-        """Apply one scheduler event to its choice; the new text that is safe to show."""
-        choice, seq = self.choices[index], self.seqs[index]
-        if event[0] == "token":
-            chunk = choice.push(event[1], event[2])
-            if choice.text.stopped:
-                self.scheduler.cancel(seq, "stop")
-            return chunk
-        choice.finish(event[1])
-        return choice.text.flush() if not choice.text.stopped else ""
-
     def usage(self) -> dict:
-        prompt = sum(len(p) for p in self.prompts)
-        completion = sum(c.tokens for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return usage_dict(self.prompt_tokens, sum(c.tokens for c in self.choices))
 
-    async def result(self, request: Request) -> dict:
-        try:
-            pending = len(self.choices)
-            while pending:
-                item = await self._next_event(request)
-                if item is None:
-                    return JSONResponse({}, status_code=499)  # nobody reads this: the client is gone
-                index, event = item
-                self._handle(index, event)
-                pending -= event[0] == "done"
-        finally:
-            self.cancel_all()
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.name,
-                "choices": [c.as_dict() for c in self.choices], "usage": self.usage()}
 
-    async def events(self):
-        """Server-sent events: one chunk per new text, a final chunk per choice, then [DONE]."""
-        def sse(choices, usage=None):
-            chunk = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.name,
-                     "choices": choices}
-            if usage is not None:
-                chunk["usage"] = usage
-            return f"data: {json.dumps(chunk)}\n\n"
-        try:
-            if self.req.echo:
-                for c in self.choices:
-                    yield sse([{"index": c.index, "text": c.prefix, "logprobs": c.echo_logprobs(),
-                                "finish_reason": None}])
-            pending = len(self.choices)
-            while pending:
-                item = await self._next_event(None)
-                if item is None:
-                    return
-                index, event = item
-                choice = self.choices[index]
-                start = len(choice.lp_tokens)
-                text = self._handle(index, event)
-                finished = event[0] == "done"
-                pending -= finished
-                if text or finished:
-                    yield sse([{"index": index, "text": text, "logprobs": choice.logprobs_since(start),
-                                "finish_reason": choice.finish_reason if finished else None}])
-            if self.req.stream_options is not None and self.req.stream_options.include_usage:
-                yield sse([], self.usage())
-            yield "data: [DONE]\n\n"
-        finally:
-            self.cancel_all()
+async def completion_response(pump: _Pump, head: dict, request: Request) -> JSONResponse:
+    """The whole completion as one JSON body (499 if the client left first)."""
+    async with aclosing(pump.updates(request)) as updates:
+        async for _ in updates:
+            pass
+    if pump.disconnected:
+        return JSONResponse({}, status_code=499)  # nobody reads this: the client is gone
+    return JSONResponse(completion_chunk(head, [c.as_dict() for c in pump.choices], pump.usage()))
+
+
+async def completion_events(pump: _Pump, head: dict, echo: bool, include_usage: bool):
+    """Server-sent events: one chunk per new text, a final chunk per choice, then [DONE]."""
+    async with aclosing(pump.updates()) as updates:
+        if echo:  # without logprobs the echoed prompt is known now; with them it comes after the prefill
+            for c in pump.choices:
+                if not c.want_logprobs:
+                    yield sse(completion_chunk(head, [choice_dict(c.index, c.prefix, None, None)]))
+        async for choice, kind, text, first in updates:
+            if kind == "prompt":
+                yield sse(completion_chunk(head, [choice_dict(choice.index, text, choice.echo, None)]))
+            elif text or kind == "done":
+                reason = choice.finish_reason if kind == "done" else None
+                yield sse(completion_chunk(head, [choice_dict(choice.index, text, choice.logprobs_since(first),
+                                                              reason)]))
+    if include_usage:
+        yield sse(completion_chunk(head, [], pump.usage()))
+    yield "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenAI's response shapes: plain formatting
+# ---------------------------------------------------------------------------------------------
+
+def completion_chunk(head: dict, choices: list[dict], usage: dict | None = None) -> dict:
+    """A text_completion object (head: id, object, created, model) with these choices (and usage)."""
+    out = {**head, "choices": choices}
+    if usage is not None:
+        out["usage"] = usage
+    return out
+
+
+def choice_dict(index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def logprobs_dict(tokens: list[str], values: list, top: list, offsets: list[int]) -> dict:
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": top, "text_offset": offsets}
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
 
 
 class _Choice:
-    """One choice's text (through TextStream: UTF-8-safe, stop strings cut) and logprobs."""
+    """One choice's text (through TextStream: UTF-8-safe, stop strings cut) and logprobs, in OpenAI's fields."""
 
-    def __init__(self, job: _Job, index: int, prompt: list[int]):
-        self.job, self.index, self.prompt = job, index, prompt
-        self.prefix = job.tok.decode(prompt) if job.req.echo else ""
-        self.text = TextStream(job.tok.stream_decoder(), job.stop)
+    def __init__(self, index: int, prompt: list[int], tokenizer, stop: list[str], echo: bool, logprobs: int | None):
+        self.index, self.prompt, self.tok = index, prompt, tokenizer
+        self.want_logprobs = logprobs is not None
+        self.prefix = tokenizer.decode(prompt) if echo else ""
+        self.echo = None  # the prompt's logprobs dict, once the scheduler's prefill sent them
+        self.text = TextStream(tokenizer.stream_decoder(), stop)
         self.finish_reason = None
         self.tokens = 0
         self.lp_tokens, self.lp_values, self.lp_top, self.lp_offsets = [], [], [], []
 
-    def push(self, t: int, lp) -> str:
+    def push_prompt(self, entries) -> str:
+        """The prompt's own logprob entries (tokens 1..T-1); the echoed text to show with them."""
+        tokens = [self.tok.decode([t]) for t in self.prompt]
+        offsets, pos = [], 0
+        for s in tokens:
+            offsets.append(pos)
+            pos += len(s)
+        self.echo = logprobs_dict(tokens, [None] + [lp for lp, _ in entries],
+                                  [None] + [self._top(top) for _, top in entries], offsets)
+        return self.prefix
+
+    def push(self, t: int, entry) -> str:
+        """One new id (and its logprob entry); the new text that is safe to show."""
         self.tokens += 1
         if self.text.stopped:
             return ""
-        if lp is not None:
-            self.lp_tokens.append(self.job.tok.decode([t]))
-            self.lp_values.append(lp[0])
-            self.lp_top.append({self.job.tok.decode([i]): v for i, v in lp[1]} if self.job.req.logprobs else {})
+        if entry is not None:
+            self.lp_tokens.append(self.tok.decode([t]))
+            self.lp_values.append(entry[0])
+            self.lp_top.append(self._top(entry[1]))
             self.lp_offsets.append(len(self.prefix) + len(self.text.text))
         return self.text.push(t)
 
-    def finish(self, reason: str) -> None:
-        if self.text.stopped or reason == "cancelled":
-            reason = "stop"
-        self.finish_reason = reason
+    def finish(self, reason: str) -> str:
+        """The scheduler's reason (a cancel after a stop string is a "stop"); the held-back tail."""
+        self.finish_reason = "stop" if self.text.stopped or reason == "cancelled" else reason
+        return "" if self.text.stopped else self.text.flush()
+
+    def _top(self, top: list[tuple[int, float]]) -> dict:
+        return {self.tok.decode([i]): v for i, v in top}
 
     def _kept(self) -> int:
         """Logprob entries whose token starts before the end of the (stop-trimmed) text."""
         end = len(self.prefix) + len(self.text.text)
         return sum(1 for o in self.lp_offsets if o < end) if self.text.stopped else len(self.lp_offsets)
 
-    def echo_logprobs(self):
-        if self.job.echo_logprobs is None:
-            return None
-        lps = self.job.echo_logprobs[self.index // self.job.n]
-        tok = self.job.tok
-        tokens = [tok.decode([t]) for t in self.prompt]
-        offsets, pos = [], 0
-        for s in tokens:
-            offsets.append(pos)
-            pos += len(s)
-        return {"tokens": tokens,
-                "token_logprobs": [None] + [lp for lp, _ in lps],
-                "top_logprobs": [None] + [{tok.decode([i]): v for i, v in top} for _, top in lps],
-                "text_offset": offsets}
-
-    def logprobs_since(self, start: int):
-        if self.job.req.logprobs is None:
+    def logprobs_since(self, start: int) -> dict | None:
+        if not self.want_logprobs:
             return None
         end = self._kept()
-        return {"tokens": self.lp_tokens[start:end], "token_logprobs": self.lp_values[start:end],
-                "top_logprobs": self.lp_top[start:end], "text_offset": self.lp_offsets[start:end]}
+        return logprobs_dict(self.lp_tokens[start:end], self.lp_values[start:end], self.lp_top[start:end],
+                             self.lp_offsets[start:end])
 
     def as_dict(self) -> dict:
-        logprobs = None
-        if self.job.req.logprobs is not None:
-            logprobs = self.logprobs_since(0)
-            echo = self.echo_logprobs()
-            if echo is not None:
-                logprobs = {key: echo[key] + logprobs[key] for key in logprobs}
-        return {"index": self.index, "text": self.prefix + self.text.text, "logprobs": logprobs,
-                "finish_reason": self.finish_reason}
-
+        logprobs = self.logprobs_since(0)
+        if logprobs is not None and self.echo is not None:
+            logprobs = {key: self.echo[key] + logprobs[key] for key in logprobs}
+        return choice_dict(self.index, self.prefix + self.text.text, logprobs, self.finish_reason)
 
 # ---------------------------------------------------------------------------------------------
 # entry point (gpt2 serve)
@@ -484,15 +523,13 @@ def serve(cfg: ServerConfig) -> None:
     """Load the model and tokenizer, then run uvicorn until SIGINT/SIGTERM."""
     import uvicorn
 
-    from gpt2.quantize import load_for_inference
     from gpt2.errors import ConfigError
+    from gpt2.quantize import load_for_inference
     from gpt2.tokenizer import Tokenizer
     if cfg.max_batch < 1 or cfg.max_queue < 0:
         raise ConfigError("--max-batch must be at least 1 and --max-queue at least 0")
     model = load_for_inference(cfg.model, dtype=cfg.dtype, device=cfg.device).eval()
-    if model.config.vocab_size != 50257:
-        raise ConfigError(f"a vocabulary of {model.config.vocab_size} tokens is not GPT-2's; the server needs "
-                          "GPT-2's tokenizer")
+    require_gpt2_vocab(model.config, cfg.model)
     tokenizer = Tokenizer.from_pretrained(cfg.model)
     if cfg.host not in ("127.0.0.1", "localhost", "::1") and cfg.api_key is None:
         print(f"gpt2 serve: warning: listening on {cfg.host} without --api-key: anyone who can reach this "
