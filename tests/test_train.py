@@ -9,6 +9,7 @@ as llm.c shards with data.write_shard), one thread and deterministic algorithms.
 """
 
 import json
+import logging
 import math
 import os
 import signal
@@ -80,14 +81,6 @@ def step_losses(out) -> list[float]:
     return [json.loads(line)["train_loss"] for line in (Path(out) / "steps.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(autouse=True)
-def restore_torch_globals():
-    deterministic, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
-    yield
-    torch.use_deterministic_algorithms(deterministic)
-    torch.set_num_threads(threads)
-
-
 # ---------------------------------------------------------------------------------------------
 # the loop learns, and computes what a plain reference loop computes
 # ---------------------------------------------------------------------------------------------
@@ -114,11 +107,11 @@ def test_loss_falls_and_outputs(corpus, tmp_path):
 def test_matches_plain_transformers_loop(corpus, tmp_path):
     """Our loop vs GPT2LMHeadModel + torch.optim.AdamW written out by hand: same losses step by step."""
     import transformers
-    from gpt2.train import build_model
+    from gpt2.train import build_training_model
     cfg = tiny_config(corpus, tmp_path / "ours", max_steps=6, eval_interval=100, checkpoint_interval=100,
                       grad_clip=0.5)
     # The same initial weights, written through the production converter, loaded by Transformers.
-    build_model(cfg, GPTConfig(**TINY_MODEL)).save_pretrained(tmp_path / "init")
+    build_training_model(cfg, GPTConfig(**TINY_MODEL)).save_pretrained(tmp_path / "init")
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "init", attn_implementation="eager")
     hf.config.embd_pdrop = hf.config.attn_pdrop = hf.config.resid_pdrop = 0.0
     hf.train()
@@ -194,7 +187,7 @@ def test_gradient_accumulation_matches_reference_step(corpus, tmp_path):
     train(cfg, GPTConfig(**TINY_MODEL))
     trained = GPT.from_pretrained(cfg.out).state_dict()
 
-    torch.manual_seed(cfg.seed)  # build_model's seed: the same initial weights
+    torch.manual_seed(cfg.seed)  # build_training_model's seed: the same initial weights
     model = GPT(GPTConfig(**{**TINY_MODEL, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "resid_pdrop": 0.0}), vocab_multiple=64)
     loader = DataLoader(corpus, split="train", batch_size=2, seq_len=16, seed=cfg.seed)
     for _ in range(2):  # two micro-batches, each loss scaled by 1/2
@@ -250,6 +243,50 @@ def test_compiled_training_follows_eager(corpus, tmp_path):
     a, b = GPT.from_pretrained(eager.out).state_dict(), GPT.from_pretrained(compiled.out).state_dict()
     assert a.keys() == b.keys()
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
+
+
+def test_torch_settings_hold_during_train_and_are_restored_after_it_returns_or_raises(corpus, tmp_path,
+                                                                                     monkeypatch):
+    """threads and deterministic algorithms are the run's inside train() and the caller's again afterwards."""
+    before = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled())
+    inside, forward, fail = [], GPT.forward, {"now": False}
+
+    def observing(self, *args, **kwargs):
+        inside.append((torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()))
+        if fail["now"]:
+            raise RuntimeError("boom")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, "forward", observing)
+    overrides = dict(max_steps=2, eval_interval=2, checkpoint_interval=2, threads=before[0] + 1,
+                     deterministic=not before[1])
+    train(tiny_config(corpus, tmp_path / "returns", **overrides), GPTConfig(**TINY_MODEL))
+    assert set(inside) == {(before[0] + 1, not before[1])}
+    assert (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()) == before
+    fail["now"] = True
+    with pytest.raises(RuntimeError, match="boom"):
+        train(tiny_config(corpus, tmp_path / "raises", **overrides), GPTConfig(**TINY_MODEL))
+    assert inside[-1] == (before[0] + 1, not before[1])
+    assert (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()) == before
+
+
+def test_the_cli_shows_the_log_lines_on_stdout(corpus, tmp_path):
+    """The library logs (rank 0 only); `gpt2 train` shows those lines on stdout, as prints did."""
+    r = subprocess.run([sys.executable, "-m", "gpt2"] + cli_args(str(corpus), str(tmp_path / "run"), max_steps=2,
+                                                                 eval_interval=2, checkpoint_interval=2),
+                       env=_env(), capture_output=True, text=True, check=True)
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("model: ") and "tokens/step" in lines[0]
+    assert any(line.startswith("step 2: train ") and "| val " in line for line in lines)
+    assert any(line.startswith("checkpoint: ") and line.rstrip().endswith(")") for line in lines)
+
+
+def test_the_library_logs_through_logging(corpus, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="gpt2.train")
+    train(tiny_config(corpus, tmp_path / "run", max_steps=2, eval_interval=2, checkpoint_interval=2),
+          GPTConfig(**TINY_MODEL))
+    messages = [r.getMessage() for r in caplog.records if r.name == "gpt2.train"]
+    assert messages[0].startswith("model: ") and any(m.startswith("step 2: train ") for m in messages)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,7 +419,6 @@ def test_fine_tune_from_pretrained(corpus, tmp_path):
 if __name__ == "__main__":
     if sys.argv[1:] == ["--regenerate-golden"]:
         import tempfile
-        torch.use_deterministic_algorithms(True)
         with tempfile.TemporaryDirectory() as tmp:
             losses = golden_losses(tmp)
         ASSETS.mkdir(exist_ok=True)

@@ -1,16 +1,19 @@
-"""Distributed training from the outside: torchrun's environment -> a small DistInfo; DDP/FSDP2 wrapping.
+"""Distributed training from the outside: torchrun's environment -> a small DistInfo; DDP/FSDP2 wrapping,
+gradient sync under accumulation, and the collectives the loop and its checkpoints need.
 
     torchrun --nproc_per_node=2 -m gpt2 train --preset quickstart --data data/shakespeare --out runs/ddp
     torchrun --nproc_per_node=2 -m gpt2 train ... --parallel fsdp      # FSDP2 (fully_shard) per block
 
 model.py never imports torch.distributed: this file wraps the model. Without torchrun's environment
 (RANK, WORLD_SIZE, LOCAL_RANK) everything here is a no-op and the run is a single process. Backends:
-gloo on CPU, NCCL on CUDA. Only rank 0 prints, logs and writes checkpoints; checkpoints are always the
-full, unsharded state, so they load in a single process.
+gloo on CPU, NCCL on CUDA. Only rank 0 logs and writes checkpoints; checkpoints are always the
+full, unsharded state (full_model, full_optimizer_state), so they load in a single process. train.py
+never imports torch.distributed: every collective it needs is a function here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -18,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from gpt2.errors import ConfigError
+from gpt2.model import GPT
 
 PARALLEL_MODES = ("ddp", "fsdp")
 
@@ -106,30 +110,72 @@ def wrap_model(model: nn.Module, info: DistInfo, mode: str = "ddp") -> nn.Module
     return model
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The GPT inside DDP and/or torch.compile wrappers (FSDP2 modifies the module in place)."""
-    model = getattr(model, "_orig_mod", model)  # torch.compile
-    model = getattr(model, "module", model)     # DDP
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module inside a torch.compile wrapper (the model itself when not compiled).
+
+    The one place the `_orig_mod` attribute is read. The loop compiles after wrapping, so the
+    order is compile(DDP(GPT)) or compile(FSDP-GPT): the compile wrapper is always the outermost.
+    """
     return getattr(model, "_orig_mod", model)
 
 
-def full_state_dict(model: nn.Module, info: DistInfo, mode: str) -> dict[str, torch.Tensor] | None:
-    """The unsharded parameters on CPU for saving: on rank 0 (others get None). Every rank must call it."""
+def unwrap(model: nn.Module) -> nn.Module:
+    """The GPT inside the torch.compile and DDP wrappers (FSDP2 modifies the module in place)."""
+    model = uncompiled(model)
+    return getattr(model, "module", model)  # DDP
+
+
+def grad_sync(model: nn.Module, info: DistInfo, mode: str, sync: bool):
+    """A context for one micro-batch's backward: the gradient all-reduce runs only when sync is True.
+
+    Gradient accumulation syncs on the last micro-batch only; on one process this does nothing.
+    """
+    if not info.enabled:
+        return contextlib.nullcontext()
+    wrapped = uncompiled(model)  # DDP, or the FSDP2 module
+    if mode == "ddp":
+        return contextlib.nullcontext() if sync else wrapped.no_sync()
+    wrapped.set_requires_gradient_sync(sync)  # FSDP2: a flag, not a context
+    return contextlib.nullcontext()
+
+
+def gather_object(obj, info: DistInfo) -> list:
+    """Every rank's Python object, as a list in rank order (on every rank); [obj] on one process."""
+    if not info.enabled:
+        return [obj]
+    import torch.distributed as dist
+    objects = [None] * info.world_size
+    dist.all_gather_object(objects, obj)
+    return objects
+
+
+def full_model(model: nn.Module, info: DistInfo, mode: str) -> GPT | None:
+    """The whole GPT with unsharded parameters, for saving: on rank 0 (others get None). Every rank must call it.
+
+    One process or DDP: the GPT inside the wrappers, as it is. FSDP2: a new GPT on CPU holding the
+    gathered full parameters (the collective runs on every rank).
+    """
     inner = unwrap(model)
-    if info.enabled and mode == "fsdp":
-        from torch.distributed.tensor import DTensor
-        state = {}
-        for name, p in inner.named_parameters():  # the collective runs on every rank
-            t = p.detach()
-            t = t.full_tensor() if isinstance(t, DTensor) else t
-            state[name] = t.cpu() if info.is_main else None
-        return state if info.is_main else None
+    if not (info.enabled and mode == "fsdp"):
+        return inner if info.is_main else None
+    from torch.distributed.tensor import DTensor
+    params = {}
+    for name, p in inner.named_parameters():  # the tied lm_head is listed once, as wte
+        t = p.detach()
+        t = t.full_tensor() if isinstance(t, DTensor) else t
+        params[name] = t.cpu() if info.is_main else None
     if not info.is_main:
         return None
-    return {name: p.detach().cpu() for name, p in inner.named_parameters()}
+    with torch.device("meta"):
+        # vocab_multiple = the padded width itself: exactly the padded rows of the trained wte
+        shell = GPT(inner.config, vocab_multiple=inner.padded_vocab_size)
+    params["lm_head.weight"] = params["transformer.wte.weight"]
+    shell.load_state_dict(params, assign=True)
+    shell.lm_head.weight = shell.transformer.wte.weight  # assign=True replaced the tied parameter: tie again
+    return shell
 
 
-def full_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module, info: DistInfo, mode: str) -> dict | None:
+def full_optimizer_state(optimizer: torch.optim.Optimizer, info: DistInfo, mode: str) -> dict | None:
     """The optimizer's state_dict with full (unsharded) tensors, on rank 0; every rank must call it.
 
     Under FSDP2 the state tensors are DTensors sharded like their parameters: each is gathered with
@@ -146,7 +192,7 @@ def full_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module, inf
     return state if info.is_main else None
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module, state: dict, info: DistInfo, mode: str):
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, info: DistInfo, mode: str) -> None:
     """Load a full optimizer state saved by full_optimizer_state (sharding it again like the parameters under FSDP2)."""
     if info.enabled and mode == "fsdp":
         from torch.distributed.tensor import DTensor, distribute_tensor

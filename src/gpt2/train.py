@@ -29,11 +29,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -41,16 +42,17 @@ import torch
 import torch.nn as nn
 
 from gpt2 import checkpoint
-from gpt2.config import GPTConfig
+from gpt2.atomic import atomic_write_bytes, atomic_write_json
+from gpt2.config import GPT2_EOT, GPT2_VOCAB_SIZE, GPTConfig
 from gpt2.data import DataLoader
-from gpt2.distributed import (DistInfo, all_reduce_mean, barrier, broadcast_object, full_optimizer_state,
-                              full_state_dict, init_distributed, load_optimizer_state, teardown, wrap_model)
+from gpt2.distributed import (DistInfo, all_reduce_mean, barrier, broadcast_object, full_model, full_optimizer_state,
+                              gather_object, grad_sync, init_distributed, load_optimizer_state, teardown, wrap_model)
 from gpt2.errors import CheckpointError, ConfigError, DataError, GPT2Error
 from gpt2.model import GPT
-from gpt2.atomic import atomic_write_bytes
-from gpt2.weights import load_model
+from gpt2.weights import load_model, parse_dtype
 
-AUTOCAST_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+log = logging.getLogger(__name__)  # rank 0 only; train() shows it on stdout when logging is not configured
+
 SCHEDULES = ("cosine", "wsd")
 # Assumed peak FLOP/s of the CPU device (all its cores) for the MFU estimate: the float32 GEMM rate
 # measured on the 2-core development machine (~0.3 TFLOP/s). An assumption, hence --peak-tflops.
@@ -117,8 +119,7 @@ class TrainConfig:
             self.vocab_multiple = 64 if self.device.startswith("cuda") else 1
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule {self.schedule!r} is not supported; choose one of {', '.join(SCHEDULES)}")
-        if self.dtype not in AUTOCAST_DTYPES:
-            raise ConfigError(f"dtype {self.dtype!r} is not supported; choose one of {', '.join(AUTOCAST_DTYPES)}")
+        parse_dtype(self.dtype)  # a ConfigError naming the supported dtypes
         if self.dtype == "float16" and not self.device.startswith("cuda"):
             raise ConfigError("float16 training needs CUDA (a GradScaler); use --dtype bfloat16 on CPU")
         for name in ("batch_size", "seq_len", "max_steps", "eval_interval", "eval_batches", "checkpoint_interval",
@@ -135,6 +136,16 @@ class TrainConfig:
             raise ConfigError(f"max_minutes must be positive, got {self.max_minutes}")
         if self.dropout is not None and not 0 <= self.dropout < 1:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def budget_s(self) -> float | None:
+        """The time budget in seconds (None: the run is bounded by max_steps only)."""
+        return self.max_minutes * 60 if self.max_minutes else None
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The autocast dtype; float32 means no autocast at all (not an autocast to float32)."""
+        return None if self.dtype == "float32" else parse_dtype(self.dtype)
 
 
 # Training presets: TrainConfig fields plus the model (a GPTConfig preset name or GPTConfig fields).
@@ -214,6 +225,70 @@ def peak_flops(cfg: TrainConfig, device: str) -> float:
     return DEFAULT_CPU_PEAK_TFLOPS * 1e12
 
 
+
+# ---------------------------------------------------------------------------------------------
+# process-wide settings, logging
+# ---------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def torch_settings(cfg: TrainConfig, device: str):
+    """Set the run's process-wide torch settings (threads, deterministic algorithms, TF32); restore them on exit.
+
+    Restored on any exit, an exception included, so a caller's process (a test session, a notebook)
+    keeps its own settings after train() returns.
+    """
+    saved_threads = torch.get_num_threads()
+    saved_deterministic = (torch.are_deterministic_algorithms_enabled(),
+                           torch.is_deterministic_algorithms_warn_only_enabled())
+    saved_tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    try:
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        torch.use_deterministic_algorithms(cfg.deterministic if cfg.deterministic is not None
+                                           else not device.startswith("cuda"))
+        if device.startswith("cuda"):
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        yield
+    finally:
+        torch.set_num_threads(saved_threads)
+        torch.use_deterministic_algorithms(saved_deterministic[0], warn_only=saved_deterministic[1])
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved_tf32
+
+
+class _ProgressBarHandler(logging.Handler):
+    """Writes each record to stdout above the progress bar (tqdm.write), as print would without a bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+        try:
+            tqdm.write(self.format(record), file=sys.stdout)
+        except Exception:
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def rank_zero_logging(info: DistInfo):
+    """Only rank 0's records pass; they go to stdout when no logging is configured (the CLI), else to the
+    application's handlers. Both are undone on exit."""
+    handler = None
+    saved_level = log.level
+    if not log.hasHandlers():
+        handler = _ProgressBarHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+    rank_filter = lambda record: info.is_main  # noqa: E731
+    log.addFilter(rank_filter)
+    try:
+        yield
+    finally:
+        log.removeFilter(rank_filter)
+        if handler is not None:
+            log.removeHandler(handler)
+            log.setLevel(saved_level)
+
+
 # ---------------------------------------------------------------------------------------------
 # model, optimizer
 # ---------------------------------------------------------------------------------------------
@@ -226,8 +301,8 @@ def set_dropout(model: GPT, p: float) -> None:
             module.p = p  # attention reads attn_dropout.p for SDPA's dropout_p
 
 
-def build_model(cfg: TrainConfig, model_config: GPTConfig | None) -> GPT:
-    """Random init (seeded) from model_config, or pretrained weights from cfg.init_from; float32."""
+def build_training_model(cfg: TrainConfig, model_config: GPTConfig | None) -> GPT:
+    """Random init (seeded) from model_config, or pretrained weights from cfg.init_from; float32, in train mode."""
     if cfg.init_from:
         model = load_model(cfg.init_from, dtype=torch.float32, vocab_multiple=cfg.vocab_multiple)
     else:
@@ -252,7 +327,12 @@ def apply_activation_checkpointing(model: GPT) -> None:
         block.forward = lambda *args, _f=forward, **kw: ckpt(_f, *args, use_reentrant=False, **kw)
 
 
-def make_optimizer(cfg: TrainConfig, model: nn.Module, device: str, sharded: bool) -> torch.optim.Optimizer:
+# Fused AdamW (one kernel for all parameters) has CPU and CUDA kernels for floating-point tensors
+# (torch >= 2.4, the floor in pyproject.toml); other devices and FSDP2's DTensors take foreach.
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")
+
+
+def make_optimizer(cfg: TrainConfig, model: nn.Module, sharded: bool) -> torch.optim.Optimizer:
     """AdamW; weight decay on 2-D tensors (matmul weights, embeddings), not on biases and LayerNorms."""
     params = [p for p in model.parameters() if p.requires_grad]  # the tied lm_head is listed once
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
@@ -266,11 +346,9 @@ def make_optimizer(cfg: TrainConfig, model: nn.Module, device: str, sharded: boo
         groups[0]["params"] = [p for p in groups[0]["params"] if id(p) not in ids]
         groups.append({"params": embeddings, "weight_decay": cfg.weight_decay, "lr_scale": cfg.embedding_lr_scale})
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
-    if not sharded:
-        try:
-            return torch.optim.AdamW(groups, fused=True, **kwargs)  # one kernel for all parameters (CPU and CUDA)
-        except (RuntimeError, TypeError):
-            pass
+    fused = not sharded and all(p.device.type in FUSED_ADAMW_DEVICES and p.is_floating_point() for p in params)
+    if fused:
+        return torch.optim.AdamW(groups, fused=True, **kwargs)
     return torch.optim.AdamW(groups, foreach=True, **kwargs)
 
 
@@ -279,56 +357,40 @@ def make_optimizer(cfg: TrainConfig, model: nn.Module, device: str, sharded: boo
 # ---------------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def evaluate(model: nn.Module, cfg: TrainConfig, info: DistInfo, autocast) -> float:
-    """Mean val loss over eval_batches fixed batches (the same windows at every eval), averaged over ranks."""
-    loader = DataLoader(cfg.data, split="val", batch_size=cfg.batch_size, seq_len=cfg.seq_len, mode="random",
-                        seed=cfg.seed + 1, rank=info.rank, world_size=info.world_size)
+def estimate_val_loss(model: nn.Module, loader: DataLoader, batches: int, info: DistInfo, autocast) -> float:
+    """Mean loss over the loader's first `batches` batches, averaged over ranks.
+
+    The loader is rewound first (its state with no batch drawn yet), so every eval of a run sees the
+    same windows. autocast: a zero-argument callable returning the forward's autocast context.
+    """
+    loader.load_state_dict(dict(loader.state_dict(), step=0, epoch=0, offset=0))
+    was_training = model.training
     model.eval()
     total = torch.zeros((), device=info.device)
-    for _ in range(cfg.eval_batches):
+    for _ in range(batches):
         x, y = loader.next_batch()
         with autocast():
             total += model(x.to(info.device), targets=y.to(info.device)).float()
-    model.train()
-    return all_reduce_mean(total / cfg.eval_batches, info).item()
+    model.train(was_training)
+    return all_reduce_mean(total / batches, info).item()
 
 
 @torch.no_grad()
-def sample_lines(model: GPT, cfg: TrainConfig, device: str) -> list[str]:
-    """A few sampled continuations of sample_prompt (engine.generate when present), decoded."""
+def sample_lines(model: GPT, cfg: TrainConfig) -> list[str]:
+    """A few sampled continuations of sample_prompt (engine.generate), decoded; [] for a toy vocabulary."""
+    if model.config.vocab_size != GPT2_VOCAB_SIZE:
+        return []  # not GPT-2's vocabulary: nothing readable to show
+    from gpt2.engine import generate
     from gpt2.tokenizer import Tokenizer
     tok = Tokenizer.gpt2()
-    if model.config.vocab_size != tok.n_vocab:
-        return []  # a toy vocabulary: nothing readable to show
-    prompt = tok.encode(cfg.sample_prompt) or [tok.eot_token]
-    prompts = [list(prompt) for _ in range(cfg.num_samples)]
+    prompt = tok.encode(cfg.sample_prompt) or [GPT2_EOT]
     was_training = model.training
     model.eval()
     with torch.random.fork_rng(devices=[]):  # sampling never disturbs the training RNG stream
-        try:
-            from gpt2.engine import generate
-        except ImportError:
-            generate = _naive_generate
-        outs = generate(model, prompts, max_new_tokens=cfg.sample_tokens, temperature=0.8, top_k=200, seed=cfg.seed)
+        outs = generate(model, [list(prompt) for _ in range(cfg.num_samples)], max_new_tokens=cfg.sample_tokens,
+                        temperature=0.8, top_k=200, seed=cfg.seed)
     model.train(was_training)
     return [cfg.sample_prompt + tok.decode(out) for out in outs]  # generate returns the new ids only
-
-
-def _naive_generate(model, prompts, max_new_tokens, temperature, top_k, seed):
-    """The fallback when engine.py is absent: no cache, one prompt at a time."""
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
-    outs = []
-    for prompt in prompts:
-        idx = torch.tensor([prompt], device=device)
-        for _ in range(max_new_tokens):
-            logits = model(idx[:, -model.config.n_positions:])[:, -1, :] / temperature
-            v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-            logits[logits < v[:, [-1]]] = -float("inf")
-            nxt = torch.multinomial(torch.softmax(logits.float(), dim=-1), 1, generator=gen)
-            idx = torch.cat([idx, nxt], dim=1)
-        outs.append(idx[0, len(prompt):].tolist())
-    return outs
 
 
 def _append_jsonl(path: Path, record: dict) -> None:
@@ -373,14 +435,114 @@ def plot_losses(out: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------
-# the loop
+# the run: its built pieces, and the state that crosses iterations
 # ---------------------------------------------------------------------------------------------
+
+@dataclass
+class LoopState:
+    """What crosses iterations of the loop. A checkpoint's meta holds it (to_meta); a resumed run starts from it."""
+    step: int = 0                  # optimizer steps taken
+    elapsed_s: float = 0.0         # training seconds over all processes of the run (a resume continues the count)
+    tokens: int = 0                # tokens trained on, all ranks together
+    val_loss: float | None = None  # the latest eval's
+    clock_start: float = field(default=0.0, repr=False)  # time.time() at which elapsed_s was 0 (start_clock)
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> "LoopState":
+        return cls(step=meta["step"], elapsed_s=meta["elapsed_s"], tokens=meta["tokens"], val_loss=meta.get("val_loss"))
+
+    def to_meta(self) -> dict:
+        return {"step": self.step, "elapsed_s": self.elapsed_s, "tokens": self.tokens, "val_loss": self.val_loss}
+
+    def start_clock(self) -> None:
+        """This process's loop starts now; elapsed_s keeps counting from its saved value."""
+        self.clock_start = time.time() - self.elapsed_s
+
+    def tick(self) -> float:
+        """Bring elapsed_s up to now; returns it."""
+        self.elapsed_s = time.time() - self.clock_start
+        return self.elapsed_s
+
+
+@dataclass
+class Meter:
+    """Train losses and throughput since the last eval: what one metrics.jsonl line averages."""
+    started: float = field(default_factory=time.time)
+    tokens: int = 0
+    losses: list[float] = field(default_factory=list)
+    tokens_per_s: float = 0.0      # over the window, as of the latest step
+    mfu: float = 0.0
+
+    def add(self, loss: float, tokens: int, flops_per_token: float, peak_flops: float) -> None:
+        self.losses.append(loss)
+        self.tokens += tokens
+        dt = time.time() - self.started
+        self.tokens_per_s = self.tokens / dt if dt > 0 else 0.0
+        self.mfu = flops_per_token * self.tokens_per_s / peak_flops
+
+    def mean_loss(self) -> float:
+        return sum(self.losses) / len(self.losses)
+
+
+@dataclass
+class Run:
+    """The built pieces of one training run, as the loop's sections use them."""
+    cfg: TrainConfig
+    info: DistInfo
+    out: Path
+    model: nn.Module                # what a step calls: DDP- or FSDP-wrapped, maybe compiled
+    raw_model: GPT                  # the GPT itself (FSDP2 shards its parameters in place)
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler    # float16 only; a no-op otherwise
+    loader: DataLoader              # this rank's train batches
+    val_loader: DataLoader          # this rank's val batches, rewound at each eval
+    grad_accum: int                 # micro-batches per optimizer step
+    tokens_per_step: int            # all ranks, all micro-batches
+    flops_per_token: float
+    peak_flops: float               # all ranks together
+
+    @property
+    def sharded(self) -> bool:
+        return self.info.enabled and self.cfg.parallel == "fsdp"
+
+    def autocast(self):
+        """The forward's autocast context (none for float32)."""
+        if self.cfg.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast("cuda" if self.info.device.startswith("cuda") else "cpu", dtype=self.cfg.autocast_dtype)
+
+    def out_of_time(self, state: LoopState) -> bool:
+        return self.cfg.budget_s is not None and state.elapsed_s >= self.cfg.budget_s
+
 
 # TrainConfig fields a resumed run must share with its checkpoint: they change the computation.
 RESUME_MUST_MATCH = ("batch_size", "seq_len", "total_batch_tokens", "data_mode", "lr", "min_lr", "warmup_steps",
                      "schedule", "decay_fraction", "weight_decay", "beta1", "beta2", "embedding_lr_scale", "grad_clip",
                      "seed", "dtype",
                      "vocab_multiple")  # max_steps and max_minutes may grow: the run continues
+
+
+def _check_inputs(cfg: TrainConfig, device: str) -> None:
+    """Fail before any model is built: no CUDA for --device cuda, or no data (train or val split)."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("--device cuda, but no CUDA device is available")
+    if not Path(cfg.data).exists():
+        raise DataError(f"{cfg.data}: no such data directory. Fix: run `gpt2 prepare shakespeare --out {cfg.data}` "
+                        "(or `gpt2 prepare FILES --out DIR`) first.")
+
+
+def _resume_checkpoint(cfg: TrainConfig, out: Path) -> checkpoint.Checkpoint | None:
+    """The checkpoint --resume continues from (None: a new run); refuses to start a new run over an old one."""
+    path = checkpoint.latest(out)
+    if not cfg.resume:
+        if path is not None:
+            raise CheckpointError(f"{out} already holds a run (LATEST exists). Pass --resume to continue it, "
+                                  "or choose a new --out.")
+        return None
+    if path is None:
+        log.info(f"--resume: no checkpoint in {out} yet; starting from step 0")
+        return None
+    return checkpoint.load(path)
 
 
 def _check_resume(ckpt: checkpoint.Checkpoint, cfg: TrainConfig, model: GPT, world_size: int) -> None:
@@ -400,245 +562,238 @@ def _check_resume(ckpt: checkpoint.Checkpoint, cfg: TrainConfig, model: GPT, wor
                               + "; ".join(problems) + ". Use the same flags, or a new --out.")
 
 
+def build_run(cfg: TrainConfig, model_config: GPTConfig | None, info: DistInfo,
+              ckpt: checkpoint.Checkpoint | None) -> Run:
+    """Loaders, the model (with the checkpoint's weights when resuming), its wrappers and the optimizer."""
+    tokens_per_micro = cfg.batch_size * cfg.seq_len * info.world_size
+    grad_accum = max(1, round((cfg.total_batch_tokens or tokens_per_micro) / tokens_per_micro))
+    loader = DataLoader(cfg.data, split="train", batch_size=cfg.batch_size, seq_len=cfg.seq_len, mode=cfg.data_mode,
+                        seed=cfg.seed, rank=info.rank, world_size=info.world_size)
+    val_loader = DataLoader(cfg.data, split="val", batch_size=cfg.batch_size, seq_len=cfg.seq_len, mode="random",
+                            seed=cfg.seed + 1, rank=info.rank, world_size=info.world_size)
+
+    model = build_training_model(cfg, model_config)
+    if cfg.seq_len > model.config.n_positions:
+        raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's context length {model.config.n_positions}")
+    if ckpt is not None:
+        _check_resume(ckpt, cfg, model, info.world_size)
+        saved = load_model(ckpt.path, dtype=torch.float32, vocab_multiple=cfg.vocab_multiple)
+        model.load_state_dict(saved.state_dict())
+        del saved
+    model.to(info.device)
+    raw_model = model
+    if cfg.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    model = wrap_model(model, info, cfg.parallel)
+    optimizer = make_optimizer(cfg, model, sharded=info.enabled and cfg.parallel == "fsdp")
+    if cfg.compile:
+        model = torch.compile(model)
+    return Run(cfg=cfg, info=info, out=Path(cfg.out), model=model, raw_model=raw_model, optimizer=optimizer,
+               scaler=torch.amp.GradScaler("cuda", enabled=cfg.dtype == "float16"), loader=loader,
+               val_loader=val_loader, grad_accum=grad_accum, tokens_per_step=tokens_per_micro * grad_accum,
+               flops_per_token=flops_per_token(raw_model, cfg.seq_len),
+               peak_flops=peak_flops(cfg, info.device) * info.world_size)
+
+
+def start_state(run: Run, ckpt: checkpoint.Checkpoint | None) -> LoopState:
+    """Seed the RNGs (a new run), or restore optimizer, scaler, data position and RNGs (a resumed run)."""
+    cfg, info = run.cfg, run.info
+    torch.manual_seed(cfg.seed + info.rank)  # dropout masks differ per rank, reproducibly
+    np.random.seed(cfg.seed)
+    random.seed(cfg.seed)
+    if ckpt is None:
+        return LoopState()
+    saved = ckpt.trainer_state
+    load_optimizer_state(run.optimizer, saved["optimizer"], info, cfg.parallel)
+    if saved.get("scaler"):
+        run.scaler.load_state_dict(saved["scaler"])
+    run.loader.load_state_dict(checkpoint.from_storable(saved["data"][info.rank]))
+    checkpoint.set_rng_state(saved["rng"][info.rank])
+    state = LoopState.from_meta(ckpt.meta)
+    if info.is_main:
+        for name in ("metrics.jsonl", "steps.jsonl"):
+            _truncate_jsonl(run.out / name, state.step)
+    log.info(f"resumed from {ckpt.path} at step {state.step}")
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# the loop's sections: one step, log, evaluate, save
+# ---------------------------------------------------------------------------------------------
+
+def scheduled_lr(cfg: TrainConfig, state: LoopState) -> float:
+    """The next step's learning rate; under a time budget the schedule follows the clock, if that is further."""
+    progress = step_progress(cfg, state.step)
+    if cfg.budget_s:
+        progress = max(progress, state.tick() / cfg.budget_s)
+    return learning_rate(cfg, state.step, progress)
+
+
+def train_step(run: Run, state: LoopState) -> tuple[float, float, float]:
+    """One optimizer step over grad_accum micro-batches: (train loss averaged over ranks, lr, grad norm)."""
+    cfg, info, model, optimizer, scaler = run.cfg, run.info, run.model, run.optimizer, run.scaler
+    lr = scheduled_lr(cfg, state)
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+    loss_sum = torch.zeros((), device=info.device)
+    for micro in range(run.grad_accum):
+        x, y = run.loader.next_batch()
+        x, y = x.to(info.device, non_blocking=True), y.to(info.device, non_blocking=True)
+        with grad_sync(model, info, cfg.parallel, sync=micro == run.grad_accum - 1), run.autocast():
+            loss = model(x, targets=y) / run.grad_accum
+        scaler.scale(loss).backward()
+        loss_sum += loss.detach()
+    train_loss = all_reduce_mean(loss_sum, info).item()
+    if not math.isfinite(train_loss):
+        optimizer.zero_grad(set_to_none=True)
+        last = checkpoint.latest(run.out) if info.is_main else None
+        raise TrainingDiverged(f"the training loss is {train_loss} at step {state.step + 1}; stopped before applying "
+                               f"this update. The last good checkpoint is {last or 'none (none was written yet)'}; "
+                               "resume from it with --resume and a lower --lr or a longer --warmup-steps.")
+    if cfg.grad_clip > 0:
+        scaler.unscale_(optimizer)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+    else:
+        grad_norm = float("nan")
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    state.step += 1
+    state.tokens += run.tokens_per_step
+    return train_loss, lr, grad_norm
+
+
+def progress_bar(cfg: TrainConfig, info: DistInfo, state: LoopState):
+    """tqdm on stderr (rank 0). With a time budget it counts the budget's seconds (so the ETA is the real
+    one; the run also stops at max_steps, if that comes first), and the step goes into the postfix."""
+    from tqdm import tqdm
+    timed = cfg.budget_s is not None
+    return tqdm(total=round(cfg.budget_s) if timed else cfg.max_steps,
+                initial=round(state.elapsed_s) if timed else state.step,
+                disable=not (cfg.progress and info.is_main), unit="s" if timed else "step", dynamic_ncols=True,
+                # redraw in place on a terminal; in a log file every redraw is appended, so redraw rarely there
+                mininterval=0.1 if sys.stderr.isatty() else 15.0,
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s [{elapsed}<{remaining}{postfix}]" if timed else None)
+
+
+def log_step(run: Run, state: LoopState, meter: Meter, bar, train_loss: float, lr: float, grad_norm: float) -> None:
+    """A line in steps.jsonl (rank 0) and the progress bar's position and postfix."""
+    if run.info.is_main:
+        _append_jsonl(run.out / "steps.jsonl", {"step": state.step, "train_loss": train_loss, "lr": lr,
+                                                 "grad_norm": grad_norm})
+    timed = run.cfg.budget_s is not None
+    bar.update(min(round(state.elapsed_s), bar.total) - bar.n if timed else 1)
+    bar.set_postfix_str(f"{f'step {state.step} | ' if timed else ''}loss {train_loss:.3f} | "
+                        f"{meter.tokens_per_s:,.0f} tok/s | MFU {100 * meter.mfu:.1f}%", refresh=False)
+
+
+def evaluate_and_log(run: Run, state: LoopState, meter: Meter, lr: float, show_samples: bool) -> None:
+    """Val loss into state; a metrics.jsonl line, loss.png and a log line (rank 0); a few samples if asked."""
+    eval_model = run.model if run.sharded else run.raw_model  # FSDP2's forward gathers the shards
+    state.val_loss = estimate_val_loss(eval_model, run.val_loader, run.cfg.eval_batches, run.info, run.autocast)
+    record = {"step": state.step, "train_loss": meter.mean_loss(), "val_loss": state.val_loss,
+              "val_ppl": math.exp(min(state.val_loss, 50.0)), "lr": lr, "tokens": state.tokens,
+              "tokens_per_s": meter.tokens_per_s, "mfu": meter.mfu, "elapsed_s": round(state.elapsed_s, 3)}
+    if not run.info.is_main:
+        return
+    _append_jsonl(run.out / "metrics.jsonl", record)
+    plot_losses(run.out)
+    log.info(f"step {state.step}: train {record['train_loss']:.4f} | val {state.val_loss:.4f} "
+             f"(ppl {record['val_ppl']:.1f}) | {meter.tokens_per_s:,.0f} tok/s | MFU {100 * meter.mfu:.1f}% | "
+             f"{state.elapsed_s:.0f}s")
+    if show_samples and run.cfg.num_samples and not run.sharded:
+        for line in sample_lines(run.raw_model, run.cfg):
+            log.info("  > " + line.replace("\n", " ")[:200])
+
+
+def save_checkpoint(run: Run, state: LoopState) -> Path | None:
+    """Every rank calls this (FSDP gathers); rank 0 writes, with the loop state in the checkpoint's meta.
+
+    Returns the checkpoint's path on rank 0 (None elsewhere); raises CheckpointError on I/O failure.
+    """
+    cfg, info = run.cfg, run.info
+    model = full_model(run.model, info, cfg.parallel)
+    trainer_state = {"optimizer": full_optimizer_state(run.optimizer, info, cfg.parallel),
+                     "rng": gather_object(checkpoint.rng_state(), info),
+                     "data": gather_object(checkpoint.to_storable(run.loader.state_dict()), info),
+                     "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else {}}
+    path = None
+    if info.is_main:
+        state.tick()
+        meta = {"train_config": dataclasses.asdict(cfg), "world_size": info.world_size, **state.to_meta()}
+        try:
+            path = checkpoint.save(run.out, state.step, model, trainer_state, meta, keep_last=cfg.keep_last)
+        except OSError as e:
+            last = checkpoint.latest(run.out)
+            raise CheckpointError(f"could not write the checkpoint for step {state.step} in {run.out} "
+                                  f"({e.strerror or e}); nothing partial was left behind; the last good checkpoint "
+                                  f"is {last or 'none'}") from None
+    barrier(info)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# the loop
+# ---------------------------------------------------------------------------------------------
+
 def train(cfg: TrainConfig, model_config: GPTConfig | None = None) -> dict:
-    """Run training; returns a summary (final step, losses, checkpoint path, tokens/s)."""
+    """Run training; returns a summary (final step, losses, checkpoint path, tokens/s).
+
+    Torch's process-wide settings and the logging setup are restored when it returns or raises.
+    """
     info = init_distributed(cfg.device)
     try:
-        return _train(cfg, model_config, info)
+        with torch_settings(cfg, info.device), rank_zero_logging(info):
+            return _train(cfg, model_config, info)
     finally:
         teardown(info)
 
 
 def _train(cfg: TrainConfig, model_config: GPTConfig | None, info: DistInfo) -> dict:
-    device = info.device
     out = Path(cfg.out)
-    log = print if info.is_main else (lambda *a, **k: None)  # only rank 0 prints
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    if cfg.deterministic if cfg.deterministic is not None else not device.startswith("cuda"):
-        torch.use_deterministic_algorithms(True)
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError("--device cuda, but no CUDA device is available")
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-
-    # Data first: a missing or empty directory fails before any model is built.
-    if not Path(cfg.data).exists():
-        raise DataError(f"{cfg.data}: no such data directory. Fix: run `gpt2 prepare shakespeare --out {cfg.data}` "
-                        "(or `gpt2 prepare FILES --out DIR`) first.")
-    tokens_per_micro = cfg.batch_size * cfg.seq_len * info.world_size
-    grad_accum = max(1, round((cfg.total_batch_tokens or tokens_per_micro) / tokens_per_micro))
-    tokens_per_step = tokens_per_micro * grad_accum
-    loader = DataLoader(cfg.data, split="train", batch_size=cfg.batch_size, seq_len=cfg.seq_len, mode=cfg.data_mode,
-                        seed=cfg.seed, rank=info.rank, world_size=info.world_size)
-    DataLoader(cfg.data, split="val", batch_size=cfg.batch_size, seq_len=cfg.seq_len, mode="random", seed=0)  # val exists?
-
-    model = build_model(cfg, model_config)
-    if cfg.seq_len > model.config.n_positions:
-        raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's context length {model.config.n_positions}")
-    ckpt = None
-    if cfg.resume:
-        path = checkpoint.latest(out)
-        if path is None:
-            log(f"--resume: no checkpoint in {out} yet; starting from step 0")
-        else:
-            ckpt = checkpoint.load(path)
-            _check_resume(ckpt, cfg, model, info.world_size)
-            saved = load_model(path, dtype=torch.float32, vocab_multiple=cfg.vocab_multiple)
-            model.load_state_dict(saved.state_dict())
-            del saved
-    elif checkpoint.latest(out) is not None:
-        raise CheckpointError(f"{out} already holds a run (LATEST exists). Pass --resume to continue it, "
-                              "or choose a new --out.")
-    model.to(device)
-    raw_model = model  # the GPT itself: evaluation, sampling and checkpoints use it
-    if cfg.activation_checkpointing:
-        apply_activation_checkpointing(model)
-    model = wrap_model(model, info, cfg.parallel)
-    sharded = info.enabled and cfg.parallel == "fsdp"
-    optimizer = make_optimizer(cfg, model, device, sharded)
-    if cfg.compile:
-        model = torch.compile(model)
-
-    autocast_dtype = AUTOCAST_DTYPES[cfg.dtype]
-    device_type = "cuda" if device.startswith("cuda") else "cpu"
-    autocast = (lambda: torch.autocast(device_type, dtype=autocast_dtype)) if autocast_dtype else contextlib.nullcontext
-    scaler = torch.amp.GradScaler("cuda", enabled=cfg.dtype == "float16")
-
-    step, elapsed_before, tokens_seen = 0, 0.0, 0
-    torch.manual_seed(cfg.seed + info.rank)  # dropout masks differ per rank, reproducibly
-    np.random.seed(cfg.seed)
-    random.seed(cfg.seed)
-    if ckpt is not None:
-        state = ckpt.trainer_state
-        load_optimizer_state(optimizer, model, state["optimizer"], info, cfg.parallel)
-        if state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
-        loader.load_state_dict(checkpoint.from_storable(state["data"][info.rank]))
-        checkpoint.set_rng_state(state["rng"][info.rank])
-        step, elapsed_before, tokens_seen = ckpt.meta["step"], ckpt.meta["elapsed_s"], ckpt.meta["tokens"]
-        if info.is_main:
-            for name in ("metrics.jsonl", "steps.jsonl"):
-                _truncate_jsonl(out / name, step)
-        log(f"resumed from {ckpt.path} at step {step}")
+    _check_inputs(cfg, info.device)
+    ckpt = _resume_checkpoint(cfg, out)
+    run = build_run(cfg, model_config, info, ckpt)
+    state = start_state(run, ckpt)
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "train_config.json").write_text(json.dumps(
-            {"train": dataclasses.asdict(cfg), "model": raw_model.config.to_dict()}, indent=2) + "\n")
+        atomic_write_json(out / "train_config.json", {"train": dataclasses.asdict(cfg),
+                                                      "model": run.raw_model.config.to_dict()})
+    c = run.raw_model.config
+    log.info(f"model: {run.raw_model.num_parameters():,} parameters ({c.n_layer} layers, width {c.n_embd}); "
+             f"{run.tokens_per_step:,} tokens/step = {cfg.batch_size} x {cfg.seq_len} x {info.world_size} rank(s) "
+             f"x {run.grad_accum} accumulation; dtype {cfg.dtype}; device {info.device}")
 
-    flops_token = flops_per_token(raw_model, cfg.seq_len)
-    peak = peak_flops(cfg, device) * info.world_size
-    budget_s = cfg.max_minutes * 60 if cfg.max_minutes else None
-    log(f"model: {raw_model.num_parameters():,} parameters ({raw_model.config.n_layer} layers, width "
-        f"{raw_model.config.n_embd}); {tokens_per_step:,} tokens/step = {cfg.batch_size} x {cfg.seq_len} x "
-        f"{info.world_size} rank(s) x {grad_accum} accumulation; dtype {cfg.dtype}; device {device}")
+    last_path = None
+    done = state.step >= cfg.max_steps or run.out_of_time(state)
+    with progress_bar(cfg, info, state) as bar:
+        state.start_clock()
+        meter = Meter()
+        while not done:
+            train_loss, lr, grad_norm = train_step(run, state)
+            state.tick()  # once per step: the bar, the budget and the metrics line read the same time
+            meter.add(train_loss, run.tokens_per_step, run.flops_per_token, run.peak_flops)
+            log_step(run, state, meter, bar, train_loss, lr, grad_norm)
+            done = state.step >= cfg.max_steps or broadcast_object(run.out_of_time(state), info)
+            if state.step % cfg.eval_interval == 0 or done:
+                evaluate_and_log(run, state, meter, lr, show_samples=not done)
+                meter = Meter()
+            if state.step % cfg.checkpoint_interval == 0 or done:
+                last_path = save_checkpoint(run, state)
+    return _finish(run, state, meter, last_path)
 
-    def save(step: int, val_loss: float | None) -> Path | None:
-        """Every rank calls this (FSDP gathers); rank 0 writes. Raises CheckpointError on I/O failure."""
-        params = full_state_dict(model, info, cfg.parallel)
-        opt_state = full_optimizer_state(optimizer, model, info, cfg.parallel)
-        data_states = _gather(checkpoint.to_storable(loader.state_dict()), info)
-        rng_states = _gather(checkpoint.rng_state(), info)
-        path = None
-        if info.is_main:
-            if sharded:
-                with torch.device("meta"):
-                    shell = GPT(raw_model.config, vocab_multiple=cfg.vocab_multiple)
-                params["lm_head.weight"] = params["transformer.wte.weight"]  # tied: listed once
-                shell.load_state_dict(params, assign=True)
-                shell.lm_head.weight = shell.transformer.wte.weight
-            else:
-                shell = raw_model
-            trainer_state = {"optimizer": opt_state, "rng": rng_states, "data": data_states,
-                             "scaler": scaler.state_dict() if scaler.is_enabled() else {}}
-            meta = {"train_config": dataclasses.asdict(cfg), "elapsed_s": elapsed_before + (time.time() - t_start),
-                    "tokens": tokens_seen, "world_size": info.world_size, "val_loss": val_loss}
-            try:
-                path = checkpoint.save(out, step, shell, trainer_state, meta, keep_last=cfg.keep_last)
-            except OSError as e:
-                last = checkpoint.latest(out)
-                raise CheckpointError(f"could not write the checkpoint for step {step} in {out} ({e.strerror or e}); "
-                                      f"nothing partial was left behind; the last good checkpoint is "
-                                      f"{last or 'none'}") from None
-        barrier(info)
-        return path
 
-    from tqdm import tqdm
-    # Redraw in place on a terminal; in a log file every redraw is appended, so redraw rarely there.
-    # With a time budget the bar counts its seconds (so the ETA is the real one; the run also stops at
-    # max_steps, if that comes first), and the step goes into the postfix.
-    timed = budget_s is not None
-    bar = tqdm(total=round(budget_s) if timed else cfg.max_steps, initial=round(elapsed_before) if timed else step,
-               disable=not (cfg.progress and info.is_main), unit="s" if timed else "step", dynamic_ncols=True,
-               mininterval=0.1 if sys.stderr.isatty() else 15.0,
-               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s [{elapsed}<{remaining}{postfix}]" if timed else None)
-    t_start = time.time()
-    t_window, tokens_window, losses_window = time.time(), 0, []
-    last_val, last_path, tok_s, mfu = None, None, 0.0, 0.0
-    done = step >= cfg.max_steps or (budget_s is not None and elapsed_before >= budget_s)
-    while not done:
-        # --- one optimizer step ------------------------------------------------------------------
-        elapsed_train = elapsed_before + time.time() - t_start
-        progress = step_progress(cfg, step)
-        if budget_s:
-            progress = max(progress, elapsed_train / budget_s)
-        lr = learning_rate(cfg, step, progress)
-        for group in optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_scale", 1.0)
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(grad_accum):
-            x, y = loader.next_batch()
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            last = micro == grad_accum - 1
-            with _grad_sync(model, info, cfg.parallel, last), autocast():
-                loss = model(x, targets=y) / grad_accum
-            scaler.scale(loss).backward()
-            loss_sum += loss.detach()
-        train_loss = all_reduce_mean(loss_sum, info).item()
-        if not math.isfinite(train_loss):
-            optimizer.zero_grad(set_to_none=True)
-            bar.close()
-            last = checkpoint.latest(out) if info.is_main else None
-            raise TrainingDiverged(f"the training loss is {train_loss} at step {step + 1}; stopped before applying "
-                                   f"this update. The last good checkpoint is {last or 'none (none was written yet)'}; "
-                                   "resume from it with --resume and a lower --lr or a longer --warmup-steps.")
-        if cfg.grad_clip > 0:
-            scaler.unscale_(optimizer)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-        else:
-            grad_norm = float("nan")
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        tokens_seen += tokens_per_step
-        tokens_window += tokens_per_step
-        losses_window.append(train_loss)
-        if info.is_main:
-            _append_jsonl(out / "steps.jsonl", {"step": step, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm})
-
-        dt = time.time() - t_window
-        tok_s = tokens_window / dt if dt > 0 else 0.0
-        mfu = flops_token * tok_s / peak
-        elapsed_train = elapsed_before + time.time() - t_start
-        bar.update(min(round(elapsed_train), bar.total) - bar.n if timed else 1)
-        bar.set_postfix_str(f"{f'step {step} | ' if timed else ''}loss {train_loss:.3f} | {tok_s:,.0f} tok/s | "
-                            f"MFU {100 * mfu:.1f}%", refresh=False)
-
-        out_of_time = budget_s is not None and elapsed_train >= budget_s
-        done = step >= cfg.max_steps or broadcast_object(out_of_time, info)
-
-        # --- eval, checkpoint -----------------------------------------------------------------
-        if step % cfg.eval_interval == 0 or done:
-            last_val = evaluate(raw_model if not sharded else model, cfg, info, autocast)
-            record = {"step": step, "train_loss": sum(losses_window) / len(losses_window), "val_loss": last_val,
-                      "val_ppl": math.exp(min(last_val, 50.0)), "lr": lr, "tokens": tokens_seen,
-                      "tokens_per_s": tok_s, "mfu": mfu, "elapsed_s": round(elapsed_train, 3)}
-            if info.is_main:
-                _append_jsonl(out / "metrics.jsonl", record)
-                plot_losses(out)
-                bar.write(f"step {step}: train {record['train_loss']:.4f} | val {last_val:.4f} "
-                          f"(ppl {record['val_ppl']:.1f}) | {tok_s:,.0f} tok/s | MFU {100 * mfu:.1f}% | "
-                          f"{elapsed_train:.0f}s")
-                if cfg.num_samples and not sharded and not done:
-                    for line in sample_lines(raw_model, cfg, device):
-                        bar.write("  > " + line.replace("\n", " ")[:200])
-            t_window, tokens_window, losses_window = time.time(), 0, []
-        if step % cfg.checkpoint_interval == 0 or done:
-            last_path = save(step, last_val)
-    bar.close()
-
+def _finish(run: Run, state: LoopState, meter: Meter, last_path: Path | None) -> dict:
+    """The final samples and log lines; the run's summary."""
+    cfg, out = run.cfg, run.out
     samples = []
-    if info.is_main and cfg.num_samples and not sharded:
-        samples = sample_lines(raw_model, cfg, device)
+    if run.info.is_main and cfg.num_samples and not run.sharded:
+        samples = sample_lines(run.raw_model, cfg)
         for line in samples:
-            log("sample: " + line)
-    summary = {"step": step, "val_loss": last_val, "tokens_per_s": tok_s, "mfu": mfu,
-               "elapsed_s": elapsed_before + time.time() - t_start, "checkpoint": str(last_path) if last_path else None,
-               "out": str(out), "loss_png": str(out / "loss.png"), "samples": samples}
-    if info.is_main and last_path is not None:
-        log(f"checkpoint: {last_path}  (GPT.from_pretrained('{out}') or gpt2 generate --model {out})")
-        log(f"loss curve: {out / 'loss.png'}   metrics: {out / 'metrics.jsonl'}")
-    return summary
-
-
-def _grad_sync(model: nn.Module, info: DistInfo, mode: str, sync: bool):
-    """Skip the gradient all-reduce on all but the last micro-batch of an accumulation."""
-    if not info.enabled:
-        return contextlib.nullcontext()
-    inner = getattr(model, "_orig_mod", model)
-    if mode == "ddp":
-        return contextlib.nullcontext() if sync else inner.no_sync()
-    inner.set_requires_gradient_sync(sync)  # FSDP2
-    return contextlib.nullcontext()
-
-
-def _gather(obj, info: DistInfo) -> list:
-    """Every rank's object, as a list on rank 0 (one per rank); [obj] on one process."""
-    if not info.enabled:
-        return [obj]
-    import torch.distributed as dist
-    objects = [None] * info.world_size
-    dist.all_gather_object(objects, obj)
-    return objects
+            log.info("sample: " + line)
+    if last_path is not None:
+        log.info(f"checkpoint: {last_path}  (GPT.from_pretrained('{out}') or gpt2 generate --model {out})")
+        log.info(f"loss curve: {out / 'loss.png'}   metrics: {out / 'metrics.jsonl'}")
+    return {"step": state.step, "val_loss": state.val_loss, "tokens_per_s": meter.tokens_per_s, "mfu": meter.mfu,
+            "elapsed_s": state.tick(), "checkpoint": str(last_path) if last_path else None, "out": str(out),
+            "loss_png": str(out / "loss.png"), "samples": samples}
