@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import transformers
 
-from gpt2 import GPT, DataError, GPTConfig
+from gpt2 import GPT, ConfigError, DataError, GPTConfig
 from gpt2 import evaluate
 from gpt2.cli import main
 from gpt2.data import write_shard
@@ -345,6 +345,21 @@ def test_cli_json_contract_and_table(hf_and_dir, text_file, tmp_path, capsys, mo
     assert err.count("\n") == 1 and "nope.jsonl: no such file" in err
     assert main(["eval", "lambada", "--model", directory, "--data", str(hs)]) == 2
     assert "missing field 'text'" in capsys.readouterr().err
+
+
+def test_eval_config_is_what_the_cli_runs(hf_and_dir, text_file, capsys):
+    directory = str(hf_and_dir[1])
+    cfg = evaluate.EvalConfig(task="perplexity", model=directory, files=[str(text_file)], max_length=8, stride=8)
+    result = evaluate.run_eval(cfg)
+    assert main(["eval", "perplexity", "--model", directory, str(text_file), "--max-length", "8", "--stride", "8"]) == 0
+    assert capsys.readouterr().out == evaluate.result_table("perplexity", result) + "\n"
+    for bad, message in [(dict(task="mmlu"), "task must be one of"), (dict(batch_size=0), "batch_size must be at least 1"),
+                         (dict(stride=-1), "stride must be at least 1"), (dict(preprocess="raw"), "preprocess must be"),
+                         (dict(task="lambada"), "lambada needs its jsonl file")]:
+        with pytest.raises(ConfigError, match=message):
+            evaluate.EvalConfig(**{"task": "perplexity", "model": directory, **bad})
+    assert main(["eval", "perplexity", "--model", directory, str(text_file), "--max-tokens", "0"]) == 2
+    assert "max_tokens must be at least 1" in capsys.readouterr().err
 
 
 def test_cli_stdout_last_line_is_json_in_a_real_process(hf_and_dir, text_file):

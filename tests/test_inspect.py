@@ -22,7 +22,9 @@ from torch.utils.flop_counter import FlopCounterMode
 import gpt2.model
 from gpt2 import GPT, ConfigError, ContextLengthError, GPTConfig, KVCache
 from gpt2.cli import main
-from gpt2.inspect import COLORS, CROSS_ENTROPY_FLOPS, architecture_sheet, format_html, format_markdown, format_text, inspect_model
+from gpt2.config import ACTIVATIONS
+from gpt2.inspect import (ACTIVATION_OPS, COLORS, CROSS_ENTROPY_FLOPS, InspectConfig, architecture_sheet, format_html,
+                          format_markdown, format_text, inspect_model, model_for_sheet, render_sheet)
 
 TINY = GPTConfig(n_layer=2, n_head=4, n_embd=32, n_positions=32, vocab_size=101)
 MATMUL_OPS = ("qkv projection", "c_proj", "c_fc", "scores", "weighted sum")  # sheet ops that are GEMMs
@@ -290,6 +292,27 @@ def test_errors():
         inspect_model("gpt2", "prefill", seq=1000, past=100)
     with pytest.raises(ConfigError):
         inspect_model("gpt2", "sideways")
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_every_activation_has_its_op(activation):
+    """inspect.ACTIVATION_OPS is keyed by config.ACTIVATIONS: each shows its own op, formula and FLOPs."""
+    config = GPTConfig(n_layer=1, n_head=2, n_embd=8, n_positions=8, vocab_size=11, activation_function=activation)
+    sheet = architecture_sheet(model_for_sheet(config), "full", batch=2, seq=3)
+    act = ACTIVATION_OPS[activation]
+    op = next(op for op in sheet["ops"] if op["name"] == act.label)
+    assert op["formula"] == act.formula and op["flops"] == act.flops_per_element * 2 * 3 * config.mlp_width
+    assert act.label in next(op for op in sheet["ops"] if op["module"] == "transformer.h.0.mlp.c_proj")["formula"]
+
+
+def test_inspect_config_is_what_the_cli_runs(capsys):
+    cfg = InspectConfig(model="gpt2", mode="prefill", seq=16, format="markdown")
+    assert main(["inspect", "gpt2", "--mode", "prefill", "--seq", "16", "--format", "markdown"]) == 0
+    assert capsys.readouterr().out == render_sheet(cfg) + "\n"
+    with pytest.raises(ConfigError, match="format must be one of"):
+        InspectConfig(format="pdf")
+    with pytest.raises(ConfigError, match="dtype 'int3' is not supported"):
+        render_sheet(InspectConfig(dtype="int3"))
 
 
 def test_cli_json_contract(capsys):

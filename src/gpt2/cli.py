@@ -12,8 +12,9 @@
     gpt2 inspect gpt2 --mode decode --past 1023         # the architecture sheet
 
 Each subcommand has an `add_<name>_parser(subparsers)` that declares its flags and a `cmd_<name>(args)`
-that turns them into one config and one library call. Heavy imports (torch, transformers) happen
-inside the commands so that `gpt2 --help` stays instant.
+that turns them into one config and one library call. Flag choices come from the tables that own
+them (weights.DTYPES, inspect.MODES, ...). What only one command needs (training, the server,
+transformers) is imported inside that command.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+from gpt2.evaluate import PREPROCESS
+from gpt2.inspect import FORMATS, MODES
+from gpt2.weights import DTYPES
 
 
 # ---------------------------------------------------------------------------------------------
@@ -56,7 +61,7 @@ def add_convert_parser(sub):
     p.add_argument("dst", help="output directory")
     p.add_argument("--to", choices=["hf", "gpt2"], default=None,
                    help="output layout: hf (Hugging Face) or gpt2 (ours); default: the other one of SRC's")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--dtype", choices=list(DTYPES), default=None)
     p.set_defaults(func=cmd_convert)
 
 
@@ -143,22 +148,23 @@ def cmd_prepare(args):
 def add_inspect_parser(sub):
     p = sub.add_parser("inspect", help="the architecture sheet: every op with shapes, parameters, FLOPs, memory")
     p.add_argument("model", help="preset name (no weights needed), directory or hub name (reads its config only)")
-    p.add_argument("--mode", choices=["full", "training", "prefill", "decode"], default="full")
+    p.add_argument("--mode", choices=MODES, default="full")
     p.add_argument("--batch", type=int, default=1, help="B sequences")
     p.add_argument("--seq", type=int, default=None,
                    help="T new positions (default: n_positions; decode: 1, the one new token)")
     p.add_argument("--past", type=int, default=None,
                    help="P positions already in the KV cache (prefill: default 0; decode: default n_positions - 1)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32",
                    help="activation and KV-cache dtype for the byte counts")
-    p.add_argument("--format", choices=["text", "markdown", "json", "html"], default="text")
+    p.add_argument("--format", choices=FORMATS, default="text")
     p.set_defaults(func=cmd_inspect)
 
 
 def cmd_inspect(args):
-    from gpt2.inspect import FORMATTERS, inspect_model
-    sheet = inspect_model(args.model, args.mode, args.batch, args.seq, args.past, args.dtype)
-    print(FORMATTERS[args.format](sheet))
+    from gpt2.inspect import InspectConfig, render_sheet
+    cfg = InspectConfig(model=args.model, mode=args.mode, batch=args.batch, seq=args.seq, past=args.past,
+                        dtype=args.dtype, format=args.format)
+    print(render_sheet(cfg))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,7 +178,7 @@ def add_eval_parser(sub):
     common.add_argument("--model", required=True, help="Hugging Face directory, hub name or our checkpoint")
     common.add_argument("--batch-size", type=int, default=None,
                         help="windows (perplexity, default 4) or sequences (tasks, default 8) per forward")
-    common.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    common.add_argument("--dtype", choices=list(DTYPES), default="float32")
     common.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     common.add_argument("--json", action="store_true", help="print one JSON object (the last line of stdout)")
     t = tasks.add_parser("perplexity", parents=[common], help="token perplexity and bits per byte of text or shards")
@@ -186,45 +192,18 @@ def add_eval_parser(sub):
     t = tasks.add_parser("hellaswag", parents=[common], help="HellaSwag completion-style acc and acc_norm")
     t.add_argument("--data", required=True, help="HellaSwag jsonl with ctx, endings, label (hellaswag_val.jsonl)")
     t.add_argument("--limit", type=int, default=None, help="evaluate only the first N examples")
-    t.add_argument("--preprocess", choices=["harness", "none"], default="harness",
+    t.add_argument("--preprocess", choices=PREPROCESS, default="harness",
                    help="harness: lm-eval-harness's query and cleanup (default); none: raw ctx and endings")
     p.set_defaults(func=cmd_eval)
 
 
 def cmd_eval(args):
-    import os
-    import torch
-    from gpt2 import evaluate
-    from gpt2.errors import ConfigError
-    from gpt2.model import GPT
-    from gpt2.tokenizer import Tokenizer
-    for flag in ("batch_size", "limit", "max_length", "stride", "max_tokens"):
-        value = getattr(args, flag, None)
-        if value is not None and value < 1:
-            raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
-    evaluate.check_files(args.files if args.task == "perplexity" else [args.data])  # before loading the model
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = GPT.from_pretrained(args.model, device=device, dtype=args.dtype).eval()
-    tokenizer = Tokenizer.gpt2(model_dir=args.model if os.path.isdir(args.model) else None)
-    progress = sys.stderr.isatty()
-    if args.task == "perplexity":
-        result = evaluate.perplexity(model, tokenizer, args.files, args.max_length, args.stride,
-                                     args.batch_size or 4, args.max_tokens, progress)
-        columns = ["path", "tokens", "bytes", "nll", "perplexity", "bits_per_byte"]
-        rows = result["files"] + ([{"path": "all", **result}] if len(result["files"]) > 1 else [])
-    elif args.task == "lambada":
-        result = evaluate.lambada(model, tokenizer, args.data, args.batch_size or 8, args.limit, progress)
-        columns, rows = ["task", "examples", "acc", "ppl", "ppl_per_token"], [result]
-    else:
-        result = evaluate.hellaswag(model, tokenizer, args.data, args.batch_size or 8, args.limit,
-                                    args.preprocess, progress)
-        columns, rows = ["task", "examples", "acc", "acc_norm", "acc_token_norm"], [result]
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(evaluate.format_table(rows, columns))
-        if args.task == "perplexity":
-            print(f"(max_length {result['max_length']}, stride {result['stride']})")
+    import dataclasses
+    from gpt2.evaluate import EvalConfig, result_table, run_eval
+    fields = {f.name for f in dataclasses.fields(EvalConfig)}  # each flag's dest is the field's name
+    cfg = EvalConfig(**{k: v for k, v in vars(args).items() if k in fields}, progress=sys.stderr.isatty())
+    result = run_eval(cfg)
+    print(json.dumps(result) if args.json else result_table(cfg.task, result))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,7 +251,7 @@ def add_train_parser(sub):
     g = p.add_argument_group("execution")
     g.add_argument("--seed", type=int)
     g.add_argument("--device", choices=["cpu", "cuda"])
-    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="autocast dtype (weights stay float32)")
+    g.add_argument("--dtype", choices=list(DTYPES), help="autocast dtype (weights stay float32)")
     g.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
     g.add_argument("--activation-checkpointing", action="store_true", default=None)
     g.add_argument("--parallel", choices=["ddp", "fsdp"], help="under torchrun: DDP (default) or FSDP2")
@@ -328,7 +307,8 @@ def add_generate_parser(sub):
                    help="int8: weight-only, bf16 compute")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the decode step (fixed shapes; the first run compiles, ~30 s on CPU)")
+                   help="torch.compile the decode step (fixed shapes; the first run per shape compiles: "
+                        "how long on CPU, BENCHMARKS.md)")
     p.set_defaults(func=cmd_generate)
 
 

@@ -7,6 +7,7 @@
 
     from gpt2.evaluate import perplexity, lambada, hellaswag
     result = perplexity(model, tokenizer, ["wiki.test.raw"])    # {"perplexity": ..., "nll": ..., ...}
+    result = run_eval(EvalConfig(task="lambada", model="gpt2", data="lambada_test.jsonl"))  # what `gpt2 eval` runs
 
 Perplexity, precisely. A text of N tokens t_0 .. t_{N-1} is cut into windows of L = max_length
 input tokens that start every S = stride tokens: window k reads t[kS : kS+L] and its logits
@@ -53,6 +54,7 @@ import json
 import math
 import re
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -61,7 +63,45 @@ import torch.nn.functional as F
 
 from gpt2.data import MAGIC as SHARD_MAGIC
 from gpt2.data import load_split, read_shard
-from gpt2.errors import DataError
+from gpt2.errors import ConfigError, DataError
+
+TASKS = ("perplexity", "lambada", "hellaswag")
+PREPROCESS = ("harness", "none")  # HellaSwag: lm-eval-harness's query and cleanup, or the raw fields
+
+
+@dataclass
+class EvalConfig:
+    """`gpt2 eval TASK`: the model, the inputs, and how to batch them; the task's own options last."""
+    task: str                            # one of TASKS
+    model: str                           # Hugging Face directory, hub name or our checkpoint
+    files: list[str] = field(default_factory=list)  # perplexity: text files, token shards, prepared data dirs
+    data: str | None = None              # lambada, hellaswag: the one jsonl file
+    batch_size: int | None = None        # windows (perplexity, default 4) or sequences (tasks, default 8) per forward
+    dtype: str = "float32"               # a name in weights.DTYPES
+    device: str | None = None            # default: cuda if available, else cpu
+    max_length: int | None = None        # perplexity: window length L (default: n_positions)
+    stride: int | None = None            # perplexity: window step S (default: L/2; S = L is the val loss)
+    max_tokens: int | None = None        # perplexity: score only the first N tokens of each file
+    limit: int | None = None             # lambada, hellaswag: only the first N examples
+    preprocess: str = "harness"          # hellaswag: one of PREPROCESS
+    progress: bool = False               # a progress bar on stderr
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise ConfigError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if self.preprocess not in PREPROCESS:
+            raise ConfigError(f"preprocess must be one of {', '.join(PREPROCESS)}, got {self.preprocess!r}")
+        for name in ("batch_size", "limit", "max_length", "stride", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be at least 1, got {value}")
+        if self.task != "perplexity" and self.data is None:
+            raise ConfigError(f"{self.task} needs its jsonl file (data)")
+
+    @property
+    def inputs(self) -> list:
+        """The files this task reads: checked before the model is loaded."""
+        return self.files if self.task == "perplexity" else [self.data]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,8 +418,8 @@ def hellaswag_example(row: dict, preprocess: str = "harness") -> tuple[str, list
 def hellaswag(model, tokenizer, path, batch_size: int = 8, limit: int | None = None,
               preprocess: str = "harness", progress: bool = False) -> dict:
     """Completion-style acc, acc_norm (per character) and acc_token_norm on a HellaSwag jsonl."""
-    if preprocess not in ("harness", "none"):
-        raise DataError(f"preprocess must be 'harness' or 'none', got {preprocess!r}")
+    if preprocess not in PREPROCESS:
+        raise DataError(f"preprocess must be one of {', '.join(PREPROCESS)}, got {preprocess!r}")
     rows = read_jsonl(path, ("ctx", "endings", "label"))[:limit]
     examples, requests = [], []
     for line, row in rows:
@@ -404,6 +444,43 @@ def hellaswag(model, tokenizer, path, batch_size: int = 8, limit: int | None = N
             hits[name] += max(range(len(values)), key=values.__getitem__) == label  # first maximum wins ties
     n = len(examples)
     return {"task": "hellaswag", "examples": n, "preprocess": preprocess, **{k: v / n for k, v in hits.items()}}
+
+
+# ---------------------------------------------------------------------------------------------
+# gpt2 eval
+# ---------------------------------------------------------------------------------------------
+
+def run_eval(cfg: EvalConfig) -> dict:
+    """`gpt2 eval`: check the inputs, load the model and its tokenizer, run the task; the task's result dict."""
+    from gpt2.model import GPT
+    from gpt2.tokenizer import Tokenizer
+    check_files(cfg.inputs)  # a missing file fails before the model is loaded
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = GPT.from_pretrained(cfg.model, device=device, dtype=cfg.dtype).eval()
+    tokenizer = Tokenizer.gpt2(model_dir=cfg.model if Path(cfg.model).is_dir() else None)
+    if cfg.task == "perplexity":
+        return perplexity(model, tokenizer, cfg.files, cfg.max_length, cfg.stride, cfg.batch_size or 4,
+                          cfg.max_tokens, cfg.progress)
+    if cfg.task == "lambada":
+        return lambada(model, tokenizer, cfg.data, cfg.batch_size or 8, cfg.limit, cfg.progress)
+    return hellaswag(model, tokenizer, cfg.data, cfg.batch_size or 8, cfg.limit, cfg.preprocess, cfg.progress)
+
+
+# The table columns of each task's result.
+TABLE_COLUMNS = {
+    "perplexity": ["path", "tokens", "bytes", "nll", "perplexity", "bits_per_byte"],
+    "lambada": ["task", "examples", "acc", "ppl", "ppl_per_token"],
+    "hellaswag": ["task", "examples", "acc", "acc_norm", "acc_token_norm"],
+}
+
+
+def result_table(task: str, result: dict) -> str:
+    """run_eval's result for a terminal: perplexity has a row per file (and the pooled row), a task one row."""
+    if task != "perplexity":
+        return format_table([result], TABLE_COLUMNS[task])
+    rows = result["files"] + ([{"path": "all", **result}] if len(result["files"]) > 1 else [])
+    return (format_table(rows, TABLE_COLUMNS[task])
+            + f"\n(max_length {result['max_length']}, stride {result['stride']})")
 
 
 # ---------------------------------------------------------------------------------------------

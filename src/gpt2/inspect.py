@@ -25,7 +25,7 @@ FLOP conventions (forward only; backward costs about twice the forward, so train
 a matmul (M, K) @ (K, N) is 2*M*N*K, as torch.utils.flop_counter counts it; a bias add, a residual
 add, the score scaling and a dropout in training are 1 per output element; LayerNorm is 7 per element
 (mean, centre, square, variance, normalize, gain, bias); softmax 5 (max, subtract, exp, sum, divide);
-the activation FLOPS_PER_ELEMENT below; cross-entropy 4 per logit; views, copies, the embedding
+the activation's ACTIVATION_OPS entry below; cross-entropy 4 per logit; views, copies, the embedding
 lookup and the causal mask (a select) are 0.
 """
 
@@ -34,26 +34,54 @@ from __future__ import annotations
 import html
 import json
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 
-from gpt2.config import GPTConfig
+from gpt2.config import ACTIVATIONS, GPTConfig
 from gpt2.errors import ConfigError, ContextLengthError
+from gpt2.weights import parse_dtype, resolve_config
 
 MODES = ("full", "training", "prefill", "decode")
 FORMATS = ("text", "markdown", "json", "html")
 LAYERNORM_FLOPS = 7
 SOFTMAX_FLOPS = 5
 CROSS_ENTROPY_FLOPS = 4
-FLOPS_PER_ELEMENT = {"gelu_new": 9, "gelu_pytorch_tanh": 9, "gelu": 5, "relu": 1}
-ACTIVATION_FORMULAS = {
-    "gelu_new": "GELU(h) = 0.5 h (1 + tanh(sqrt(2/pi) (h + 0.044715 h^3)))",
-    "gelu_pytorch_tanh": "GELU(h) = 0.5 h (1 + tanh(sqrt(2/pi) (h + 0.044715 h^3)))",
-    "gelu": "GELU(h) = 0.5 h (1 + erf(h / sqrt 2))",
-    "relu": "ReLU(h) = max(h, 0)",
+
+
+class ActivationOp(NamedTuple):
+    label: str              # the op's name on the sheet
+    formula: str
+    flops_per_element: int
+
+
+# How the sheet shows each of config.ACTIVATIONS (model.py holds the functions themselves).
+ACTIVATION_OPS = {
+    "gelu_new": ActivationOp("GELU", "GELU(h) = 0.5 h (1 + tanh(sqrt(2/pi) (h + 0.044715 h^3)))", 9),
+    "gelu_pytorch_tanh": ActivationOp("GELU", "GELU(h) = 0.5 h (1 + tanh(sqrt(2/pi) (h + 0.044715 h^3)))", 9),
+    "gelu": ActivationOp("GELU", "GELU(h) = 0.5 h (1 + erf(h / sqrt 2))", 5),
+    "relu": ActivationOp("ReLU", "ReLU(h) = max(h, 0)", 1),
 }
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if set(ACTIVATION_OPS) != set(ACTIVATIONS):  # a new activation in config.py needs its row here
+    raise RuntimeError(f"inspect.ACTIVATION_OPS covers {sorted(ACTIVATION_OPS)}, "
+                       f"config.ACTIVATIONS is {sorted(ACTIVATIONS)}")
+
+
+@dataclass
+class InspectConfig:
+    """`gpt2 inspect`: which model, which call of forward (see MODES), and how to print the sheet."""
+    model: str = "gpt2"              # a preset (no weights needed), a model directory or a hub name
+    mode: str = "full"
+    batch: int = 1                   # B sequences
+    seq: int | None = None           # T new positions (default: n_positions; decode: 1)
+    past: int | None = None          # P cached positions (default: 0; decode: n_positions - 1)
+    dtype: str = "float32"           # activation and KV-cache dtype, for the byte counts
+    format: str = "text"             # one of FORMATS
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ConfigError(f"format must be one of {', '.join(FORMATS)}, got {self.format!r}")
 
 
 @dataclass
@@ -100,6 +128,7 @@ class _Axes:
         self.hs = (f"{c.head_size} head dims", c.head_size)
         self.ff = (f"{c.mlp_width} hidden", c.mlp_width)
         self.vocab = (f"{c.vocab_size} vocab", c.vocab_size)
+        self.resid = [self.batch, self.pos, self.d]  # the residual stream x, (B, T, C)
 
 
 def _numel(shape) -> int:
@@ -129,12 +158,16 @@ def _tensors(model: nn.Module, module_name: str, seen: dict) -> tuple[list[dict]
 
 
 def architecture_sheet(model: nn.Module, mode: str = "full", batch: int = 1, seq: int | None = None,
-                       past: int | None = None, dtype: str | torch.dtype = "float32") -> dict:
-    """The sheet of `model` (a GPT, any device including meta) for one call of forward in `mode`."""
+                       past: int | None = None, dtype: str | torch.dtype = "float32",
+                       source: str | None = None) -> dict:
+    """The sheet of `model` (a GPT, any device including meta) for one call of forward in `mode`.
+
+    source: where the model came from, printed in the sheet's first line (inspect_model sets it).
+    """
     config: GPTConfig = model.config
     if mode not in MODES:
         raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    dtype = parse_dtype(dtype)
     seq = seq if seq is not None else (1 if mode == "decode" else config.n_positions)
     past = past if past is not None else (config.n_positions - 1 if mode == "decode" else 0)
     if batch < 1 or seq < 1 or past < 0:
@@ -148,124 +181,166 @@ def architecture_sheet(model: nn.Module, mode: str = "full", batch: int = 1, seq
 
     ax = _Axes(config, mode, batch, seq, past)
     ops = _ops(model, ax, dtype)
-    return _with_totals(model, ax, dtype, ops)
+    return _with_totals(model, ax, dtype, ops, source)
 
+
+# ---------------------------------------------------------------------------------------------
+# the ops, in the order GPT.forward runs them
+# ---------------------------------------------------------------------------------------------
 
 def _ops(model: nn.Module, ax: _Axes, dtype: torch.dtype) -> list[Op]:
-    config, mode = model.config, ax.mode
-    train = mode == "training"
-    cached = mode in ("prefill", "decode")
-    size = torch.empty(0, dtype=dtype).element_size()
-    score_size = 4 if config.reorder_and_upcast_attn else size  # scores and softmax upcast to float32
-    B, T, P = ax.B, ax.T, ax.P
-    S = P + T
-    nh, hs, C = config.n_head, config.head_size, config.n_embd
-    seen: dict = {}
-    ops: list[Op] = []
+    sheet = _OpList(model, ax, dtype)
+    _embedding_ops(sheet)
+    mask = _mask(model, ax)
+    for i in range(len(model.transformer.h)):
+        _attention_ops(sheet, i, mask)
+        _mlp_ops(sheet, i)
+    _head_ops(sheet)
+    return sheet.ops
 
-    def add(name, block, kind, formula, inputs, output, flops, module=None, params_of=None,
+
+class _OpList:
+    """The ops of one sheet as they are added, and what adding one needs (sizes, tied tensors seen)."""
+
+    def __init__(self, model: nn.Module, ax: _Axes, dtype: torch.dtype):
+        self.model, self.config, self.ax = model, model.config, ax
+        self.train = ax.mode == "training"
+        self.size = torch.empty(0, dtype=dtype).element_size()
+        self.score_size = 4 if self.config.reorder_and_upcast_attn else self.size  # scores, softmax upcast to float32
+        self.seen: dict = {}  # id(parameter) -> the name it was first counted under
+        self.ops: list[Op] = []
+
+    def add(self, name, block, kind, formula, inputs, output, flops, module=None, params_of=None,
             training_only=False, allocates=True, note="", elem_size=None):
-        tensors, count = _tensors(model, params_of, seen) if params_of else ([], 0)
-        identity = training_only and not train and kind == "dropout"
-        ops.append(Op(
+        tensors, count = _tensors(self.model, params_of, self.seen) if params_of else ([], 0)
+        identity = training_only and not self.train and kind == "dropout"
+        self.ops.append(Op(
             name=name, block=block, kind=kind, formula=formula,
             input_shapes=[[s for _, s in shape] for shape in inputs],
             output_shape=[s for _, s in output], axes=[label for label, _ in output],
             input_axes=[[label for label, _ in shape] for shape in inputs],
             parameters=count, parameter_tensors=tensors,
             flops=0 if identity else flops,
-            activation_bytes=_numel([s for _, s in output]) * (elem_size or size),
+            activation_bytes=_numel([s for _, s in output]) * (elem_size or self.size),
             training_only=training_only, identity=identity, allocates=allocates and not identity,
             module=module, note="identity outside training" if identity else note))
 
-    def dropout(name, block, module, p_name, x, formula):
-        p = getattr(config, p_name)
-        add(name, block, "dropout", f"{formula}, r ~ Bernoulli(1 - {p_name}={p})", [x], x, _numel([s for _, s in x]),
-            module=module, training_only=True)
+    def add_parameters(self, module_name: str) -> None:
+        """Count one more module's parameter tensors in the last op."""
+        tensors, count = _tensors(self.model, module_name, self.seen)
+        self.ops[-1].parameter_tensors += tensors
+        self.ops[-1].parameters += count
 
-    x = [ax.batch, ax.pos, ax.d]  # the residual stream (B, T, C)
-    positions = [("1", 1), ax.pos]
-    add("embedding", None, "embedding", "x0 = W_te[idx] + W_pe[pos]", [[ax.batch, ax.pos], positions], x,
-        B * T * C, module="transformer.wte", params_of=None,
-        note=(f"position {P}" if T == 1 else f"positions {P}..{P + T - 1}") if cached else "")
+    def dropout(self, name, block, module, p_name, x, formula):
+        p = getattr(self.config, p_name)
+        self.add(name, block, "dropout", f"{formula}, r ~ Bernoulli(1 - {p_name}={p})", [x], x,
+                 _numel([s for _, s in x]), module=module, training_only=True)
+
+
+def _embedding_ops(sheet: _OpList) -> None:
+    ax, x = sheet.ax, sheet.ax.resid
+    B, T, P, C = ax.B, ax.T, ax.P, sheet.config.n_embd
+    cached = ax.mode in ("prefill", "decode")
+    sheet.add("embedding", None, "embedding", "x0 = W_te[idx] + W_pe[pos]", [[ax.batch, ax.pos], [("1", 1), ax.pos]],
+              x, B * T * C, module="transformer.wte",
+              note=(f"position {P}" if T == 1 else f"positions {P}..{P + T - 1}") if cached else "")
     # wte and wpe both belong to this one op; count them here from the real tensors
-    for sub in ("transformer.wte", "transformer.wpe"):
-        tensors, count = _tensors(model, sub, seen)
-        ops[-1].parameter_tensors += tensors
-        ops[-1].parameters += count
-    dropout("embedding dropout", None, "transformer.drop", "embd_pdrop", x, "x0~ = r * x0 / (1 - p)")
+    sheet.add_parameters("transformer.wte")
+    sheet.add_parameters("transformer.wpe")
+    sheet.dropout("embedding dropout", None, "transformer.drop", "embd_pdrop", x, "x0~ = r * x0 / (1 - p)")
 
-    mask = type(model)._attention_mask(None, P, T, "meta")  # the real model's mask: None means plain causal
-    mask_shape = [ax.queries, ax.keys] if mask is None else [("1", 1), ("1", 1), ax.queries, ax.keys]
-    mask_note = ""
-    if mode == "decode":
-        mask_note = "no-op: the one query sees all P+1 keys"
-    elif mode == "prefill" and P:
-        mask_note = "query i (position P+i) sees keys 0..P+i"
 
-    for i, _ in enumerate(model.transformer.h):
-        h = f"transformer.h.{i}"
-        q_axes = [ax.batch, ax.heads, ax.queries, ax.hs]
-        kv_axes = [ax.batch, ax.heads, ax.keys, ax.hs]
-        s_axes = [ax.batch, ax.heads, ax.queries, ax.keys]
-        add("ln_1", i, "layernorm", "Z1 = (x - mean) / sqrt(var + eps) * g + b", [x], x,
-            LAYERNORM_FLOPS * B * T * C, module=f"{h}.ln_1", params_of=f"{h}.ln_1")
-        add("qkv projection", i, "attention", "[Q K V] = Z1 W_attn + b_attn", [x], [ax.batch, ax.pos, ax.qkv],
-            2 * B * T * C * 3 * C + B * T * 3 * C, module=f"{h}.attn.c_attn", params_of=f"{h}.attn.c_attn")
-        add("head split", i, "attention", "Q, K, V -> (B, nh, T, hs) each", [[ax.batch, ax.pos, ax.qkv]],
-            [("3 q,k,v", 3)] + [ax.batch, ax.heads, ax.pos, ax.hs], 0, module=f"{h}.attn", allocates=False)
-        if cached:
-            add("kv cache append", i, "cache", "K_cache[P:P+T], V_cache[P:P+T] = K, V",
-                [[ax.batch, ax.heads, ax.pos, ax.hs]] * 2, [("2 k,v", 2), ax.batch, ax.heads, ax.cached, ax.hs], 0,
-                module=f"{h}.attn", allocates=False,
-                note=f"cache grows {P} -> {S} positions; returns all keys and values so far")
-        add("scores", i, "attention", f"S = Q K^T / sqrt({hs})", [q_axes, kv_axes], s_axes,
-            2 * B * nh * T * S * hs + B * nh * T * S, module=f"{h}.attn", elem_size=score_size)
-        add("causal mask", i, "attention", "S[i, j] = -inf where key j is after query i",
-            [s_axes, mask_shape], s_axes, 0, module=f"{h}.attn", elem_size=score_size, note=mask_note)
-        add("softmax", i, "attention", "A = softmax(S) over keys", [s_axes], s_axes,
-            SOFTMAX_FLOPS * B * nh * T * S, module=f"{h}.attn", elem_size=score_size)
-        dropout("attention-weight dropout", i, f"{h}.attn.attn_dropout", "attn_pdrop", s_axes, "A~ = r * A / (1 - p)")
-        add("weighted sum", i, "attention", "Y = A~ V", [s_axes, kv_axes], q_axes,
-            2 * B * nh * T * S * hs, module=f"{h}.attn")
-        add("head merge", i, "attention", "Y -> (B, T, nh * hs)", [q_axes], x, 0, module=f"{h}.attn")
-        add("c_proj", i, "attention", "D_attn = Y W_proj + b_proj", [x], x, 2 * B * T * C * C + B * T * C,
-            module=f"{h}.attn.c_proj", params_of=f"{h}.attn.c_proj")
-        dropout("residual dropout", i, f"{h}.attn.resid_dropout", "resid_pdrop", x, "D_attn~ = r * D_attn / (1 - p)")
-        add("residual add", i, "add", "x' = x + D_attn~", [x, x], x, B * T * C, module=h)
-        add("ln_2", i, "layernorm", "Z2 = (x' - mean) / sqrt(var + eps) * g + b", [x], x,
-            LAYERNORM_FLOPS * B * T * C, module=f"{h}.ln_2", params_of=f"{h}.ln_2")
-        ff = [ax.batch, ax.pos, ax.ff]
-        add("c_fc", i, "mlp", "H = Z2 W_fc + b_fc", [x], ff, 2 * B * T * C * config.mlp_width + B * T * config.mlp_width,
-            module=f"{h}.mlp.c_fc", params_of=f"{h}.mlp.c_fc")
-        act = config.activation_function
-        add(act.split("_")[0].upper() if act != "relu" else "ReLU", i, "mlp", ACTIVATION_FORMULAS[act], [ff], ff,
-            FLOPS_PER_ELEMENT[act] * B * T * config.mlp_width, module=f"{h}.mlp")
-        add("c_proj", i, "mlp", "D_mlp = GELU(H) W_proj + b_proj", [ff], x,
-            2 * B * T * config.mlp_width * C + B * T * C, module=f"{h}.mlp.c_proj", params_of=f"{h}.mlp.c_proj")
-        dropout("MLP dropout", i, f"{h}.mlp.dropout", "resid_pdrop", x, "D_mlp~ = r * D_mlp / (1 - p)")
-        add("residual add", i, "add", "x_next = x' + D_mlp~", [x, x], x, B * T * C, module=h)
+def _mask(model: nn.Module, ax: _Axes) -> tuple[list, str]:
+    """(shape, note) of the attention mask the real model builds: None from it means plain causal."""
+    mask = type(model)._attention_mask(None, ax.P, ax.T, "meta")
+    shape = [ax.queries, ax.keys] if mask is None else [("1", 1), ("1", 1), ax.queries, ax.keys]
+    note = ""
+    if ax.mode == "decode":
+        note = "no-op: the one query sees all P+1 keys"
+    elif ax.mode == "prefill" and ax.P:
+        note = "query i (position P+i) sees keys 0..P+i"
+    return shape, note
 
-    add("ln_f", None, "layernorm", "Z = (x - mean) / sqrt(var + eps) * g + b", [x], x,
-        LAYERNORM_FLOPS * B * T * C, module="transformer.ln_f", params_of="transformer.ln_f")
-    if mode == "training":
+
+def _attention_ops(sheet: _OpList, i: int, mask: tuple[list, str]) -> None:
+    ax, x, config = sheet.ax, sheet.ax.resid, sheet.config
+    B, T, S = ax.B, ax.T, ax.P + ax.T
+    nh, hs, C = config.n_head, config.head_size, config.n_embd
+    h = f"transformer.h.{i}"
+    q_axes = [ax.batch, ax.heads, ax.queries, ax.hs]
+    kv_axes = [ax.batch, ax.heads, ax.keys, ax.hs]
+    s_axes = [ax.batch, ax.heads, ax.queries, ax.keys]
+    mask_shape, mask_note = mask
+    sheet.add("ln_1", i, "layernorm", "Z1 = (x - mean) / sqrt(var + eps) * g + b", [x], x,
+              LAYERNORM_FLOPS * B * T * C, module=f"{h}.ln_1", params_of=f"{h}.ln_1")
+    sheet.add("qkv projection", i, "attention", "[Q K V] = Z1 W_attn + b_attn", [x], [ax.batch, ax.pos, ax.qkv],
+              2 * B * T * C * 3 * C + B * T * 3 * C, module=f"{h}.attn.c_attn", params_of=f"{h}.attn.c_attn")
+    sheet.add("head split", i, "attention", "Q, K, V -> (B, nh, T, hs) each", [[ax.batch, ax.pos, ax.qkv]],
+              [("3 q,k,v", 3)] + [ax.batch, ax.heads, ax.pos, ax.hs], 0, module=f"{h}.attn", allocates=False)
+    if ax.mode in ("prefill", "decode"):
+        sheet.add("kv cache append", i, "cache", "K_cache[P:P+T], V_cache[P:P+T] = K, V",
+                  [[ax.batch, ax.heads, ax.pos, ax.hs]] * 2, [("2 k,v", 2), ax.batch, ax.heads, ax.cached, ax.hs], 0,
+                  module=f"{h}.attn", allocates=False,
+                  note=f"cache grows {ax.P} -> {S} positions; returns all keys and values so far")
+    sheet.add("scores", i, "attention", f"S = Q K^T / sqrt({hs})", [q_axes, kv_axes], s_axes,
+              2 * B * nh * T * S * hs + B * nh * T * S, module=f"{h}.attn", elem_size=sheet.score_size)
+    sheet.add("causal mask", i, "attention", "S[i, j] = -inf where key j is after query i",
+              [s_axes, mask_shape], s_axes, 0, module=f"{h}.attn", elem_size=sheet.score_size, note=mask_note)
+    sheet.add("softmax", i, "attention", "A = softmax(S) over keys", [s_axes], s_axes,
+              SOFTMAX_FLOPS * B * nh * T * S, module=f"{h}.attn", elem_size=sheet.score_size)
+    sheet.dropout("attention-weight dropout", i, f"{h}.attn.attn_dropout", "attn_pdrop", s_axes, "A~ = r * A / (1 - p)")
+    sheet.add("weighted sum", i, "attention", "Y = A~ V", [s_axes, kv_axes], q_axes,
+              2 * B * nh * T * S * hs, module=f"{h}.attn")
+    sheet.add("head merge", i, "attention", "Y -> (B, T, nh * hs)", [q_axes], x, 0, module=f"{h}.attn")
+    sheet.add("c_proj", i, "attention", "D_attn = Y W_proj + b_proj", [x], x, 2 * B * T * C * C + B * T * C,
+              module=f"{h}.attn.c_proj", params_of=f"{h}.attn.c_proj")
+    sheet.dropout("residual dropout", i, f"{h}.attn.resid_dropout", "resid_pdrop", x, "D_attn~ = r * D_attn / (1 - p)")
+    sheet.add("residual add", i, "add", "x' = x + D_attn~", [x, x], x, B * T * C, module=h)
+
+
+def _mlp_ops(sheet: _OpList, i: int) -> None:
+    ax, x, config = sheet.ax, sheet.ax.resid, sheet.config
+    B, T, C, W = ax.B, ax.T, config.n_embd, config.mlp_width
+    h = f"transformer.h.{i}"
+    ff = [ax.batch, ax.pos, ax.ff]
+    act = ACTIVATION_OPS[config.activation_function]
+    sheet.add("ln_2", i, "layernorm", "Z2 = (x' - mean) / sqrt(var + eps) * g + b", [x], x,
+              LAYERNORM_FLOPS * B * T * C, module=f"{h}.ln_2", params_of=f"{h}.ln_2")
+    sheet.add("c_fc", i, "mlp", "H = Z2 W_fc + b_fc", [x], ff, 2 * B * T * C * W + B * T * W,
+              module=f"{h}.mlp.c_fc", params_of=f"{h}.mlp.c_fc")
+    sheet.add(act.label, i, "mlp", act.formula, [ff], ff, act.flops_per_element * B * T * W, module=f"{h}.mlp")
+    sheet.add("c_proj", i, "mlp", f"D_mlp = {act.label}(H) W_proj + b_proj", [ff], x, 2 * B * T * W * C + B * T * C,
+              module=f"{h}.mlp.c_proj", params_of=f"{h}.mlp.c_proj")
+    sheet.dropout("MLP dropout", i, f"{h}.mlp.dropout", "resid_pdrop", x, "D_mlp~ = r * D_mlp / (1 - p)")
+    sheet.add("residual add", i, "add", "x_next = x' + D_mlp~", [x, x], x, B * T * C, module=h)
+
+
+def _head_ops(sheet: _OpList) -> None:
+    ax, x, config = sheet.ax, sheet.ax.resid, sheet.config
+    B, T, C, V = ax.B, ax.T, config.n_embd, config.vocab_size
+    sheet.add("ln_f", None, "layernorm", "Z = (x - mean) / sqrt(var + eps) * g + b", [x], x,
+              LAYERNORM_FLOPS * B * T * C, module="transformer.ln_f", params_of="transformer.ln_f")
+    if ax.mode == "training":
         # model.lm_head_cross_entropy: the (B*T, V) logits exist one chunk of rows at a time, and the
         # head's gradients are computed in the same pass (backward work, not counted here).
         n = ("B*T tokens", B * T)
-        add("lm_head + loss", None, "loss", "L = mean -log softmax(Z W_te^T)[target]", [[n, ax.d], [n]], [],
-            2 * B * T * C * config.vocab_size + CROSS_ENTROPY_FLOPS * B * T * config.vocab_size, module="",
-            params_of="lm_head", training_only=True, elem_size=4,
-            note="chunked: logits never held whole; cross-entropy in float32; targets == -100 ignored")
-        return ops
-    last = mode in ("prefill", "decode")  # the engine asks for the last position's logits only
+        sheet.add("lm_head + loss", None, "loss", "L = mean -log softmax(Z W_te^T)[target]", [[n, ax.d], [n]], [],
+                  2 * B * T * C * V + CROSS_ENTROPY_FLOPS * B * T * V, module="",
+                  params_of="lm_head", training_only=True, elem_size=4,
+                  note="chunked: logits never held whole; cross-entropy in float32; targets == -100 ignored")
+        return
+    last = ax.mode in ("prefill", "decode")  # the engine asks for the last position's logits only
     rows = [ax.batch, ("1 position", 1) if last else ax.pos]
-    add("lm_head", None, "head", "logits = Z W_te^T (tied to wte)", [rows + [ax.d]], rows + [ax.vocab],
-        2 * B * rows[1][1] * C * config.vocab_size, module="lm_head", params_of="lm_head",
-        note="last position only" if mode == "prefill" else "")
-    return ops
+    sheet.add("lm_head", None, "head", "logits = Z W_te^T (tied to wte)", [rows + [ax.d]], rows + [ax.vocab],
+              2 * B * rows[1][1] * C * V, module="lm_head", params_of="lm_head",
+              note="last position only" if ax.mode == "prefill" else "")
 
 
-def _with_totals(model, ax: _Axes, dtype, ops: list[Op]) -> dict:
+# ---------------------------------------------------------------------------------------------
+# totals, and the sheet of a preset or model directory
+# ---------------------------------------------------------------------------------------------
+
+def _with_totals(model, ax: _Axes, dtype, ops: list[Op], source: str | None) -> dict:
     config = model.config
     size = torch.empty(0, dtype=dtype).element_size()
     forward = sum(op.flops for op in ops)
@@ -279,8 +354,9 @@ def _with_totals(model, ax: _Axes, dtype, ops: list[Op]) -> dict:
         # inference frees as it goes: the largest op's inputs and output, plus the residual stream
         peak = resid + max(sum(_numel(s) for s in op.input_shapes) * size + op.activation_bytes
                            for op in ops if op.allocates)
-    sheet = {
-        "model": getattr(model, "inspect_source", None),
+    cached = ax.mode in ("prefill", "decode")
+    return {
+        "model": source,
         "mode": ax.mode,
         "batch": ax.B,
         "seq": ax.T,
@@ -293,37 +369,30 @@ def _with_totals(model, ax: _Axes, dtype, ops: list[Op]) -> dict:
         "forward_flops_per_token": forward // tokens,
         "training_flops_per_token": 3 * forward // tokens if ax.mode == "training" else None,
         "kv_cache_bytes_per_token": kv_per_token,
-        "kv_cache_bytes_before": ax.B * ax.P * kv_per_token if ax.mode in ("prefill", "decode") else 0,
-        "kv_cache_bytes_after": ax.B * (ax.P + ax.T) * kv_per_token if ax.mode in ("prefill", "decode") else 0,
+        "kv_cache_bytes_before": ax.B * ax.P * kv_per_token if cached else 0,
+        "kv_cache_bytes_after": ax.B * (ax.P + ax.T) * kv_per_token if cached else 0,
         "peak_activation_bytes": peak,
     }
-    return sheet
 
 
-def build_model(model_or_preset: str) -> nn.Module:
-    """A GPT on the meta device (no memory for weights): from a preset name, or a path/hub name's config."""
-    from pathlib import Path
-
-    from gpt2.config import PRESETS
+def model_for_sheet(config: GPTConfig) -> nn.Module:
+    """A GPT on the meta device: the real module tree and parameter shapes, no memory for weights."""
     from gpt2.model import GPT
-    key = model_or_preset.removeprefix("openai-community/")
-    if key in PRESETS and not Path(model_or_preset).exists():
-        config, source = GPTConfig.preset(key), f"preset {key}"
-    else:
-        from gpt2.weights import read_config, resolve_directory
-        directory = resolve_directory(model_or_preset)
-        config, _ = read_config(directory)
-        source = str(directory)
     with torch.device("meta"):
-        model = GPT(config)
-    model.inspect_source = source
-    return model
+        return GPT(config)
 
 
 def inspect_model(model_or_preset: str, mode: str = "full", batch: int = 1, seq: int | None = None,
                   past: int | None = None, dtype: str = "float32") -> dict:
     """The sheet of a preset or a model directory/hub name, without reading any weights."""
-    return architecture_sheet(build_model(model_or_preset), mode, batch, seq, past, dtype)
+    resolved = resolve_config(model_or_preset)
+    return architecture_sheet(model_for_sheet(resolved.config), mode, batch, seq, past, dtype, source=resolved.source)
+
+
+def render_sheet(cfg: InspectConfig) -> str:
+    """`gpt2 inspect`: the sheet of cfg.model in cfg.mode, formatted as cfg.format."""
+    sheet = inspect_model(cfg.model, cfg.mode, cfg.batch, cfg.seq, cfg.past, cfg.dtype)
+    return FORMATTERS[cfg.format](sheet)
 
 
 # ---------------------------------------------------------------------------------------------
