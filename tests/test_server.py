@@ -5,7 +5,8 @@
 A tiny random GPT-2 (GPT-2's vocabulary, so the real tokenizer applies) is saved with
 save_pretrained and served on a free loopback port: uvicorn in a thread (the tests can reach the
 scheduler) or `gpt2 serve` in a subprocess (SIGTERM). Every reference is engine.generate on the same
-model and prompt; every request loop is bounded in count and time.
+model and prompt; every request loop is bounded in count and time. Tests about cancellation and
+shutdown put the model behind a gate (SteppedModel) and count forwards and tokens, never seconds.
 """
 
 import json
@@ -30,8 +31,9 @@ from openai import OpenAI
 from gpt2 import GPT, GPTConfig
 from gpt2.batching import Continuation, Scheduler, SchedulerClosed
 from gpt2.engine import generate
+from gpt2.kv_cache import BatchKV, KVCache
 from gpt2.sampling import SamplingConfig
-from gpt2.server import ServerConfig, create_app
+from gpt2.server import APIError, CompletionRequest, ServerConfig, create_app, request_to_sequences
 from gpt2.tokenizer import Tokenizer
 
 N_POSITIONS = 128
@@ -146,6 +148,116 @@ def test_sequences_merged_mid_flight_match_engine_generate(model):
         assert out[name] == ref, name
         assert seqs[name].finish_reason == ("length" if len(ref) == n else "stop")
     assert sched.kv.shifts >= 1 and sched.kv.compactions >= 1  # both storage moves were exercised
+
+
+def test_batch_kv_insert_remove_make_room_match_per_row_caches(model):
+    """BatchKV against one plain KVCache per sequence, decoded alone: the same logits every step, and
+    each row's keys and values right-aligned at the shared position, through a shift (a longer
+    prompt), growth (8 -> 16 -> 24 columns), a removal and a compaction (at the 24-column limit)."""
+    config = model.config
+    kv = BatchKV(config.n_layer, 3, config.n_head, config.head_size, max_capacity=24, initial_capacity=8)
+    g = torch.Generator().manual_seed(3)
+    refs = []  # row i of kv is refs[i]: its own batch-1 cache
+
+    def join(n):
+        ids = torch.randint(0, 50256, (1, n), generator=g)
+        alone, prefilled = KVCache.for_model(model, 1, N_POSITIONS), KVCache.for_model(model, 1, n)
+        model(ids, cache=alone)
+        model(ids, cache=prefilled)
+        assert kv.insert(prefilled) == len(refs)
+        refs.append(alone)
+
+    def steps(n):
+        for _ in range(n):
+            ids = torch.randint(0, 50256, (kv.rows, 1), generator=g)
+            logits = model(ids, cache=kv, attention_mask=kv.decode_mask())[:, -1]  # (rows, V)
+            for i, ref in enumerate(refs):
+                torch.testing.assert_close(logits[i], model(ids[i:i + 1], cache=ref)[0, -1], atol=1e-5, rtol=1e-5)
+            check_rows()
+
+    def check_rows():
+        P = kv.pos
+        for i, ref in enumerate(refs):
+            T = ref.pos
+            assert kv.mask[i, :P].tolist() == [0] * (P - T) + [1] * T
+            torch.testing.assert_close(kv.k[:, i, :, P - T:P], ref.k[:, 0, :, :T], atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(kv.v[:, i, :, P - T:P], ref.v[:, 0, :, :T], atol=1e-6, rtol=1e-6)
+
+    def leave(i):
+        kv.remove(i)
+        refs[i] = refs[-1]
+        refs.pop()
+        check_rows()
+
+    with torch.inference_mode():
+        join(5)
+        steps(3)                    # pos 8: the 8 columns are full
+        join(10)                    # longer than pos: every row shifts right by 2
+        assert kv.shifts == 1 and kv.pos == 10 and kv.capacity == 16
+        steps(2)
+        join(3)
+        steps(4)                    # pos 16: the next step grows the storage to its limit
+        leave(1)                    # the last row moves into slot 1; columns [0, 2) are now unused
+        steps(9)                    # pos reaches 24 = the limit: the free columns are dropped
+        assert kv.capacity == 24 and kv.compactions == 1 and kv.pos == 23
+        leave(0)
+        leave(0)
+        assert kv.rows == 0 and kv.pos == 0
+
+
+def test_scheduler_prefill_returns_prompt_logprobs_equal_to_a_full_forward(model):
+    prompt = torch.randint(0, 50256, (12,), generator=torch.Generator().manual_seed(4)).tolist()
+    events = {0: [], 1: [], 2: []}
+    seqs = [Continuation(prompt=prompt, max_new_tokens=0, logprobs=3, echo_logprobs=True, emit=events[0].append),
+            Continuation(prompt=prompt, max_new_tokens=4, logprobs=0, echo_logprobs=True, emit=events[1].append),
+            Continuation(prompt=prompt[:1], max_new_tokens=1, logprobs=2, echo_logprobs=True, emit=events[2].append)]
+    sched = Scheduler(model, max_batch=2).start()
+    sched.submit(seqs)
+    sched.stop(timeout=None)
+    assert sched.error is None
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt]))[0].float(), -1)  # (T, V)
+    ref = [float(logp[i - 1, prompt[i]]) for i in range(1, len(prompt))]
+    top = torch.topk(logp[:-1], 3)
+    kind, entries = events[0][0]
+    assert kind == "prompt" and [lp for lp, _ in entries] == pytest.approx(ref, abs=1e-4)
+    for (_, got), ids, values in zip(entries, top.indices.tolist(), top.values.tolist()):
+        assert [i for i, _ in got] == ids and [v for _, v in got] == pytest.approx(values, abs=1e-4)
+    assert events[0][1:] == [("done", "length")]  # max_tokens=0: the prompt alone
+    kind, entries = events[1][0]                   # then its tokens, as generate draws them
+    assert kind == "prompt" and [lp for lp, _ in entries] == pytest.approx(ref, abs=1e-4)
+    assert all(top == [] for _, top in entries)
+    assert [ev[1] for ev in events[1][1:-1]] == generate(model, [prompt], max_new_tokens=4)[0]
+    assert events[2][0] == ("prompt", [])          # a one-token prompt has nothing to score
+
+
+def test_request_to_sequences_without_http(model, tok):
+    cfg = ServerConfig(max_batch=4, max_queue=4)
+    req = CompletionRequest(model="tiny", prompt=["Hello", "a"], n=2, max_tokens=5, seed=(1 << 63) - 1,
+                            temperature=0.5, top_p=0.9, logit_bias={"11": 2.0}, echo=True, logprobs=1)
+    seqs = request_to_sequences(req, tok, model.config, cfg)
+    assert [s.prompt for s in seqs] == [tok.encode("Hello")] * 2 + [tok.encode("a")] * 2  # index = prompt * n + j
+    assert [s.seed for s in seqs] == [(1 << 63) - 1, 1 << 63] * 2                          # seed + j
+    assert all(s.max_new_tokens == 5 and s.logprobs == 1 and s.echo_logprobs and s.emit is None for s in seqs)
+    assert seqs[0].sampling == SamplingConfig(temperature=0.5, top_p=0.9, logit_bias={11: 2.0})
+    # the defaults; an empty prompt starts from <|endoftext|>; token ids pass through
+    (s,) = request_to_sequences(CompletionRequest(model="tiny", prompt=""), tok, model.config, cfg)
+    assert s.prompt == [50256] and s.max_new_tokens == 16 and s.seed is None and not s.echo_logprobs
+    assert s.sampling == SamplingConfig(temperature=1.0)
+    (s,) = request_to_sequences(CompletionRequest(model="tiny", prompt=[[5, 6]], echo=True), tok, model.config, cfg)
+    assert s.prompt == [5, 6] and not s.echo_logprobs  # echo without logprobs needs no prompt logprobs
+    # what the schema cannot check
+    for fields, status, code in [
+        (dict(prompt=[]), 400, "invalid_value"),
+        (dict(prompt=[[1], []]), 400, "invalid_value"),
+        (dict(prompt=[50257]), 400, "invalid_value"),
+        (dict(prompt="hi", max_tokens=N_POSITIONS), 400, "context_length_exceeded"),
+        (dict(prompt=["a", "b"], n=5), 400, "too_many_choices"),          # 10 > max_batch + max_queue
+        (dict(prompt="hi", logit_bias={"50257": 1.0}), 422, "invalid_value"),
+    ]:
+        with pytest.raises(APIError) as e:
+            request_to_sequences(CompletionRequest(model="tiny", **fields), tok, model.config, cfg)
+        assert (e.value.status, e.value.code) == (status, code), fields
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,59 +469,124 @@ def test_api_key_is_enforced_except_health(model, tok):
         assert r.choices[0].text == reference(model, tok, "hi", 2)
 
 
-class SlowModel:
-    """The model with a pause before every forward: a stream lasts long enough to walk away from."""
+class SteppedModel:
+    """The model behind a gate: each forward takes one permit, so a test decides how far generation
+    gets, counts steps instead of seconds, and can wait until the scheduler stands at the gate."""
 
-    def __init__(self, model, delay):
-        self.model, self.delay = model, delay
-        self.config, self.transformer = model.config, model.transformer
+    def __init__(self, model):
+        self.model, self.config, self.transformer = model, model.config, model.transformer
+        self._cond = threading.Condition()
+        self._permits = 0      # forwards allowed; None: no gate
+        self._parked = False   # a forward waits at the gate with no permit left
 
     def eval(self):
         return self
 
+    def allow(self, n: int | None) -> None:
+        """n more forwards (None: every forward from now on)."""
+        with self._cond:
+            self._permits = None if n is None or self._permits is None else self._permits + n
+            self._parked = False
+            self._cond.notify_all()
+
+    def hold(self) -> None:
+        """Close the gate again, from the next forward on."""
+        with self._cond:
+            self._permits = 0
+
+    def wait_parked(self) -> None:
+        """Until the scheduler has used every permit and waits for the next (it is then standing still)."""
+        with self._cond:
+            assert self._cond.wait_for(lambda: self._parked, 30), "the scheduler never reached the gate"
+
     def __call__(self, *args, **kwargs):
-        time.sleep(self.delay)
+        with self._cond:
+            if self._permits == 0:
+                self._parked = True
+                self._cond.notify_all()
+            assert self._cond.wait_for(lambda: self._permits != 0, 60), "the test never opened the gate"
+            if self._permits is not None:
+                self._permits -= 1
         return self.model(*args, **kwargs)
 
 
+def watch_cancels(scheduler) -> threading.Event:
+    """An event set when the server first cancels a sequence (scheduler.cancel is wrapped)."""
+    cancelled, cancel = threading.Event(), scheduler.cancel
+
+    def wrapped(seq, reason="cancelled"):
+        cancel(seq, reason)
+        cancelled.set()
+    scheduler.cancel = wrapped
+    return cancelled
+
+
+def wait_idle(scheduler) -> None:
+    deadline = time.monotonic() + 30  # only against a hang: the assertions count tokens, not seconds
+    while scheduler.busy:
+        assert time.monotonic() < deadline, "the scheduler kept working"
+        time.sleep(0.02)
+
+
 def test_client_disconnect_cancels_its_work(model, tok):
-    with running_server(SlowModel(model, 0.02), tok) as s:
-        body = {"model": "tiny", "prompt": "hi", "max_tokens": 100, "stream": True}
+    stepped = SteppedModel(model)
+    with running_server(stepped, tok) as s:
+        cancelled = watch_cancels(s.scheduler)
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 100, "temperature": 0, "stream": True}
+        # a stream: three tokens (a prefill and two decode steps), then the client hangs up mid-way
+        stepped.allow(3)
         with httpx.Client(timeout=30) as http:
             with http.stream("POST", f"{s.url}/v1/completions", json=body) as r:
-                next(r.iter_lines())  # the first token arrived; now hang up
-        deadline = time.monotonic() + 10
-        while s.scheduler.busy:
-            assert time.monotonic() < deadline, "the abandoned request kept running"
-            time.sleep(0.05)
-        assert s.scheduler.tokens < 30  # of 100
-        # the same for a plain (non-streaming) request whose client gives up
-        before = s.scheduler.tokens
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{s.url}/v1/completions", json={**body, "stream": False}, timeout=0.5)
-        deadline = time.monotonic() + 10
-        while s.scheduler.busy:
-            assert time.monotonic() < deadline, "the abandoned request kept running"
-            time.sleep(0.05)
-        assert s.scheduler.tokens - before < 60
+                assert r.status_code == 200
+                stepped.wait_parked()
+                assert s.scheduler.tokens == 3
+        assert cancelled.wait(30), "the abandoned stream was not cancelled"
+        stepped.allow(None)
+        wait_idle(s.scheduler)
+        assert s.scheduler.tokens == 3  # not one token after the client left (of 100)
+        # the same for a plain (non-streaming) request whose client gives up after five tokens
+        cancelled.clear()
+        stepped.hold()
+        payload = json.dumps({**body, "stream": False}).encode()
+        with socket.create_connection(("127.0.0.1", s.port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+            stepped.wait_parked()  # the prefill waits
+            stepped.allow(5)
+            stepped.wait_parked()
+            assert s.scheduler.tokens == 3 + 5
+        assert cancelled.wait(30), "the abandoned request was not cancelled"
+        stepped.allow(None)
+        wait_idle(s.scheduler)
+        assert s.scheduler.tokens == 3 + 5
 
 
 def test_stop_cancels_what_is_left_after_the_timeout(model):
-    sched = Scheduler(SlowModel(model, 0.02), max_batch=2, max_queue=4).start()
+    stepped = SteppedModel(model)
+    sched = Scheduler(stepped, max_batch=2, max_queue=4).start()
     events = []
-    seqs = [Continuation(prompt=[1, 2, 3], max_new_tokens=100, emit=events.append) for _ in range(4)]
+    seqs = [Continuation(prompt=[1, 2, 3], max_new_tokens=100, emit=events.append, stop_token_ids=frozenset())
+            for _ in range(4)]
     sched.submit(seqs)  # two decode, two wait
-    time.sleep(0.2)
-    t = time.monotonic()
-    sched.stop(timeout=0.2)
-    assert time.monotonic() - t < 5 and not sched._thread.is_alive()
+    stepped.allow(3)    # two prefills and one decode step
+    stepped.wait_parked()
+    sched.pause()       # the loop holds after the step now waiting at the gate
+    stepped.allow(None)
+    sched.stop(timeout=0)  # the time is up at once: nothing more runs, everything left is cancelled
+    assert not sched._thread.is_alive()
     assert [s.finish_reason for s in seqs] == ["cancelled"] * 4
+    assert [s.generated for s in seqs] == [3, 3, 0, 0]
     assert sum(ev[0] == "done" for ev in events) == 4
     with pytest.raises(SchedulerClosed):
         sched.submit([Continuation(prompt=[1], max_new_tokens=1)])
+    # without a timeout, stop lets running and queued sequences finish
+    sched = Scheduler(model, max_batch=2, max_queue=4).start()
+    seqs = [Continuation(prompt=[1, 2, 3], max_new_tokens=5, stop_token_ids=frozenset()) for _ in range(4)]
+    sched.submit(seqs)
+    sched.stop(timeout=None)
+    assert [s.finish_reason for s in seqs] == ["length"] * 4 and [s.generated for s in seqs] == [5] * 4
 
 
-@pytest.mark.slow
 def test_sigterm_lets_in_flight_requests_finish(model_dir, model, tok):
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
