@@ -25,7 +25,7 @@ import torch
 from gpt2 import GPT, GPTConfig
 from gpt2.data import DataLoader, write_shard
 from gpt2.errors import CheckpointError, ConfigError, DataError
-from gpt2.train import TrainConfig, TrainingDiverged, learning_rate, preset_configs, train
+from gpt2.train import LoopState, TrainConfig, TrainingDiverged, learning_rate, preset_configs, train
 from gpt2.weights import save_native
 
 ASSETS = Path(__file__).parent / "assets"
@@ -281,12 +281,16 @@ def test_the_cli_shows_the_log_lines_on_stdout(corpus, tmp_path):
     assert any(line.startswith("checkpoint: ") and line.rstrip().endswith(")") for line in lines)
 
 
-def test_the_library_logs_through_logging(corpus, tmp_path, caplog):
+def test_the_library_logs_through_logging_and_checkpoints_hold_the_loop_state(corpus, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="gpt2.train")
-    train(tiny_config(corpus, tmp_path / "run", max_steps=2, eval_interval=2, checkpoint_interval=2),
-          GPTConfig(**TINY_MODEL))
+    summary = train(tiny_config(corpus, tmp_path / "run", max_steps=2, eval_interval=2, checkpoint_interval=2),
+                    GPTConfig(**TINY_MODEL))
     messages = [r.getMessage() for r in caplog.records if r.name == "gpt2.train"]
     assert messages[0].startswith("model: ") and any(m.startswith("step 2: train ") for m in messages)
+    meta = json.loads((Path(summary["checkpoint"]) / "gpt2.json").read_text())
+    state = LoopState.from_meta(meta)
+    assert (state.step, state.tokens, state.val_loss) == (2, 2 * 4 * 16, summary["val_loss"])
+    assert 0 < state.elapsed_s <= summary["elapsed_s"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,6 +22,12 @@ losses after a resume equal those of an uninterrupted run, bit for bit.
 A time budget (max_minutes) ends the run when the training time is spent, and the schedule's progress
 follows the clock instead of the step count, so the learning rate decays to min_lr exactly at the end.
 Such a run depends on the machine's speed and so is not reproducible step for step.
+
+The loop (_train) reads as its sections: train_step, log_step, evaluate_and_log, save_checkpoint,
+over a LoopState (step, elapsed time, tokens, last val loss: what a checkpoint's meta records and a
+resume restores). train() sets torch's process-wide settings (threads, deterministic algorithms, TF32)
+for the run only (torch_settings). Messages go through logging (the gpt2.train logger, rank 0 only);
+where no logging is configured, as under the CLI, train() shows them on stdout above the progress bar.
 """
 
 from __future__ import annotations
@@ -223,7 +229,6 @@ def peak_flops(cfg: TrainConfig, device: str) -> float:
                 return tflops * 1e12
         return 312e12  # unknown GPU: an A100's bf16 peak, as an assumption
     return DEFAULT_CPU_PEAK_TFLOPS * 1e12
-
 
 
 # ---------------------------------------------------------------------------------------------
