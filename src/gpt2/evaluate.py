@@ -246,32 +246,41 @@ def sum_nll(model, tokens, max_length: int | None = None, stride: int | None = N
         raise DataError(f"at least 2 tokens are needed to score one, got {len(tokens)}")
     if int(tokens.max()) >= model.config.vocab_size:
         raise DataError(f"token id {int(tokens.max())} is outside the model's vocabulary ({model.config.vocab_size})")
-    device = _device(model)
     windows = sliding_windows(len(tokens), max_length, stride)
     total, count = 0.0, 0
     bar = _progress(len(windows), progress, "window")
-    i = 0
-    while i < len(windows):
-        # A batch holds windows of one length: all but the last window are max_length long.
-        T = windows[i][1] - windows[i][0]
-        batch = [windows[i]]
-        while len(batch) < batch_size and i + len(batch) < len(windows) and \
-                windows[i + len(batch)][1] - windows[i + len(batch)][0] == T:
-            batch.append(windows[i + len(batch)])
-        rows = np.stack([np.asarray(tokens[b:e + 1], dtype=np.int64) for b, e, _ in batch])  # (B, T + 1)
-        rows = torch.from_numpy(rows).to(device)
-        x, y = rows[:, :-1], rows[:, 1:].clone()  # (B, T) each
-        for r, (_, _, n_new) in enumerate(batch):
-            y[r, : T - n_new] = -100  # context already scored by an earlier window
-        logits = model(x)  # (B, T, V)
-        scored = y != -100
-        nll = F.cross_entropy(logits[scored].float(), y[scored], reduction="none")  # (n scored,)
-        total += nll.double().sum().item()
-        count += int(scored.sum())
-        i += len(batch)
+    for batch in _same_length_batches(windows, batch_size):
+        s, n = _windows_nll(model, tokens, batch)
+        total, count = total + s, count + n
         bar.update(len(batch))
     bar.close()
     return total, count
+
+
+def _same_length_batches(windows: list[tuple[int, int, int]], batch_size: int):
+    """Consecutive windows, up to batch_size at a time, one length per batch (all but the last are max_length)."""
+    batch = []
+    for window in windows:
+        if batch and (len(batch) == batch_size or window[1] - window[0] != batch[0][1] - batch[0][0]):
+            yield batch
+            batch = []
+        batch.append(window)
+    if batch:
+        yield batch
+
+
+def _windows_nll(model, tokens, batch: list[tuple[int, int, int]]) -> tuple[float, int]:
+    """(summed NLL, tokens scored) of one batch of equal-length windows: each scores only its n_new last targets."""
+    T = batch[0][1] - batch[0][0]
+    rows = np.stack([np.asarray(tokens[b:e + 1], dtype=np.int64) for b, e, _ in batch])  # (B, T + 1)
+    rows = torch.from_numpy(rows).to(_device(model))
+    x, y = rows[:, :-1], rows[:, 1:].clone()  # (B, T) each
+    for r, (_, _, n_new) in enumerate(batch):
+        y[r, : T - n_new] = -100  # context already scored by an earlier window
+    logits = model(x)  # (B, T, V)
+    scored = y != -100
+    nll = F.cross_entropy(logits[scored].float(), y[scored], reduction="none")  # (n scored,)
+    return nll.double().sum().item(), int(scored.sum())
 
 
 def summarize(nll_sum: float, tokens: int, n_bytes: int) -> dict:
@@ -321,38 +330,46 @@ def score_continuations(model, requests: list[tuple[list[int], list[int]]], batc
     requests: (context ids, continuation ids), the context at least one token. Batches are padded
     on the right, which a causal model never sees, so no mask is needed.
     """
-    n_ctx, vocab = model.config.n_positions, model.config.vocab_size
-    device = _device(model)
-    inputs = []
-    for ctx, cont in requests:
-        if not ctx or not cont:
-            raise ValueError("context and continuation must each have at least one token")
-        if max(ctx + cont) >= vocab:
-            raise DataError(f"token id {max(ctx + cont)} is outside the model's vocabulary ({vocab})")
-        if len(cont) > n_ctx:
-            raise DataError(f"a continuation of {len(cont)} tokens does not fit the model's context ({n_ctx})")
-        inputs.append((ctx + cont)[-(n_ctx + 1):-1])  # what the model reads; predicts cont at its end
+    inputs = [_model_input(ctx, cont, model.config) for ctx, cont in requests]
     # Longest first, as lm-eval-harness does: similar lengths share a batch, and memory peaks at once.
     order = sorted(range(len(requests)), key=lambda i: -len(inputs[i]))
     results: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
     bar = _progress(len(order), progress, "seq")
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
-        T = len(inputs[idx[0]])
-        x = torch.zeros(len(idx), T, dtype=torch.long)
-        for r, i in enumerate(idx):
-            x[r, : len(inputs[i])] = torch.tensor(inputs[i])
-        logits = model(x.to(device))  # (B, T, V)
-        for r, i in enumerate(idx):
-            cont = torch.tensor(requests[i][1], device=device)
-            n = len(inputs[i])
-            logp = F.log_softmax(logits[r, n - len(cont): n].float(), dim=-1)  # (len(cont), V)
-            total = logp.gather(1, cont.unsqueeze(1)).sum().item()
-            greedy = bool((logp.argmax(-1) == cont).all())
-            results[i] = (total, greedy)
+        scores = _score_batch(model, [inputs[i] for i in idx], [requests[i][1] for i in idx])
+        for i, score in zip(idx, scores):
+            results[i] = score
         bar.update(len(idx))
     bar.close()
     return results
+
+
+def _model_input(ctx: list[int], cont: list[int], config) -> list[int]:
+    """What the model reads to score cont after ctx: the ids without the last, cut from the left to the context."""
+    if not ctx or not cont:
+        raise ValueError("context and continuation must each have at least one token")
+    if max(ctx + cont) >= config.vocab_size:
+        raise DataError(f"token id {max(ctx + cont)} is outside the model's vocabulary ({config.vocab_size})")
+    if len(cont) > config.n_positions:
+        raise DataError(f"a continuation of {len(cont)} tokens does not fit the model's context ({config.n_positions})")
+    return (ctx + cont)[-(config.n_positions + 1):-1]  # predicts cont at its end
+
+
+def _score_batch(model, inputs: list[list[int]], conts: list[list[int]]) -> list[tuple[float, bool]]:
+    """(summed log-probability, greedy hit) of each continuation; inputs longest first, right-padded with 0."""
+    device = _device(model)
+    x = torch.zeros(len(inputs), len(inputs[0]), dtype=torch.long)  # (B, T)
+    for r, ids in enumerate(inputs):
+        x[r, : len(ids)] = torch.tensor(ids)
+    logits = model(x.to(device))  # (B, T, V)
+    scores = []
+    for r, (ids, cont) in enumerate(zip(inputs, conts)):
+        cont = torch.tensor(cont, device=device)
+        n = len(ids)
+        logp = F.log_softmax(logits[r, n - len(cont): n].float(), dim=-1)  # (len(cont), V)
+        scores.append((logp.gather(1, cont.unsqueeze(1)).sum().item(), bool((logp.argmax(-1) == cont).all())))
+    return scores
 
 
 def _encode_context(tokenizer, text: str) -> list[int]:
