@@ -518,15 +518,28 @@ def _box(x, y, w, h, kind, title, sub="", dashed=False) -> str:
                f'font-size="12">{html.escape(sub)}</text>' if sub else ""))
 
 
+_ARROW = '<line x1="{}" y1="{}" x2="{}" y2="{}" stroke="#444" stroke-width="2" marker-end="url(#arrow)"/>'
+
+
 def _block_diagram(sheet: dict) -> str:
-    """x -> LayerNorm 1 -> Attention -> Dropout -> + -> LayerNorm 2 -> MLP -> Dropout -> +, with residual bypasses."""
+    """One block with its residual bypasses, and below it the whole model as a strip: one SVG."""
+    block, block_width, block_bottom = _block_row(sheet, y=90, h=64)
+    strip, strip_width = _model_strip(sheet["config"], y=block_bottom + 70, h=46)
+    height = block_bottom + 70 + 46 + 20
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{max(block_width, strip_width + 20)}" height="{height}" '
+            f'font-family="sans-serif"><defs><marker id="arrow" markerWidth="10" markerHeight="10" refX="9" '
+            f'refY="5" orient="auto" markerUnits="userSpaceOnUse"><path d="M0,0 L10,5 L0,10 z" fill="#444"/></marker></defs>'
+            + "".join(block + strip) + "</svg>")
+
+
+def _block_row(sheet: dict, y: int, h: int) -> tuple[list[str], int, int]:
+    """x -> LayerNorm 1 -> Attention -> Dropout -> + -> LayerNorm 2 -> MLP -> Dropout -> +: (parts, width, bottom)."""
     c = sheet["config"]
     train = sheet["mode"] == "training"
     ops = {op["name"]: op for op in sheet["ops"] if op["block"] == 0}
     xs = shape_str(ops["ln_1"]["input_shapes"][0], ops["ln_1"]["input_axes"][0])
-    y, h, w, gap = 90, 64, 118, 22
+    w, gap = 118, 22
     parts, x = [], 20
-    arrow = '<line x1="{}" y1="{}" x2="{}" y2="{}" stroke="#444" stroke-width="2" marker-end="url(#arrow)"/>'
     parts.append(f'<text x="{x}" y="{y + h / 2 + 5}" font-size="16" font-weight="600">x</text>')
     x += 24
     items = [("layernorm", "LayerNorm 1", "gain, bias"),
@@ -537,9 +550,9 @@ def _block_diagram(sheet: dict) -> str:
              ("mlp", "MLP", f"{c['n_embd']}->{c['n_inner'] or 4 * c['n_embd']}->{c['n_embd']}"),
              ("dropout", "Dropout", "p_resid" if train else "identity"),
              ("add", "+", "")]
-    centers = []
+    centers = []  # x of each +
     for kind, title, sub in items:
-        parts.append(arrow.format(x, y + h / 2, x + gap - 2, y + h / 2))
+        parts.append(_ARROW.format(x, y + h / 2, x + gap - 2, y + h / 2))
         x += gap
         if kind == "add":
             parts.append(f'<circle cx="{x + 20}" cy="{y + h / 2}" r="20" fill="{COLORS["add"]}"/>'
@@ -550,7 +563,7 @@ def _block_diagram(sheet: dict) -> str:
         else:
             parts.append(_box(x, y, w, h, kind, title, sub, dashed=kind == "dropout"))
             x += w
-    parts.append(arrow.format(x, y + h / 2, x + gap, y + h / 2))
+    parts.append(_ARROW.format(x, y + h / 2, x + gap, y + h / 2))
     parts.append(f'<text x="{x + gap + 6}" y="{y + h / 2 + 5}" font-size="16" font-weight="600">x next</text>')
     # residual bypasses: from before LayerNorm 1 to the first +, from after it to the second +
     for start, end in ((44 + 10, centers[0]), (centers[0] + 10, centers[1])):
@@ -560,40 +573,42 @@ def _block_diagram(sheet: dict) -> str:
                      f'fill="{COLORS["add"]}">residual bypass</text>')
     parts.append(f'<text x="20" y="{y + h + 40}" font-size="13" fill="#444">one block, repeated '
                  f'{c["n_layer"]}x; x is {html.escape(xs)}</text>')
-    width = x + gap + 80
-    # the whole model as a strip
-    my, mh, mw = y + h + 70, 46, 150
+    return parts, x + gap + 80, y + h
+
+
+def _model_strip(c: dict, y: int, h: int) -> tuple[list[str], int]:
+    """wte + wpe -> Dropout -> n_layer x block -> ln_f -> lm_head: (parts, right edge)."""
+    w = 150
     strip = [("embedding", "wte + wpe"), ("dropout", "Dropout"), ("attention", f"{c['n_layer']} x block"),
              ("layernorm", "ln_f"), ("head", "lm_head")]
-    mx = 20
+    parts, x = [], 20
     for kind, title in strip:
-        parts.append(_box(mx, my, mw, mh, kind, title, dashed=kind == "dropout"))
-        mx += mw
+        parts.append(_box(x, y, w, h, kind, title, dashed=kind == "dropout"))
+        x += w
         if title != "lm_head":
-            parts.append(arrow.format(mx, my + mh / 2, mx + 28, my + mh / 2))
-            mx += 30
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{max(width, mx + 20)}" height="{my + mh + 20}" '
-            f'font-family="sans-serif"><defs><marker id="arrow" markerWidth="10" markerHeight="10" refX="9" '
-            f'refY="5" orient="auto" markerUnits="userSpaceOnUse"><path d="M0,0 L10,5 L0,10 z" fill="#444"/></marker></defs>'
-            + "".join(parts) + "</svg>")
+            parts.append(_ARROW.format(x, y + h / 2, x + 28, y + h / 2))
+            x += 30
+    return parts, x
 
 
-def format_html(sheet: dict) -> str:
-    """One self-contained page: inline CSS and SVG, no external resources."""
-    rows = []
-    for n, op in enumerate(sheet["ops"]):
-        inputs = "<br>".join(html.escape(shape_str(s, a)) for s, a in zip(op["input_shapes"], op["input_axes"]))
-        params = "<br>".join(
-            html.escape(f"{t['name']} {t['shape']}" + (f" (tied to {t['tied_to']})" if "tied_to" in t else ""))
-            for t in op["parameter_tensors"]) or "none"
-        cls = " class=\"train\"" if op["training_only"] else ""
-        rows.append(
-            f'<tr{cls}><td style="border-left:6px solid {COLORS[op["kind"]]}">{n}</td>'
+def _html_row(n: int, op: dict) -> str:
+    """One op as a table row, its colour on the left edge; training-only ops shaded."""
+    inputs = "<br>".join(html.escape(shape_str(s, a)) for s, a in zip(op["input_shapes"], op["input_axes"]))
+    params = "<br>".join(
+        html.escape(f"{t['name']} {t['shape']}" + (f" (tied to {t['tied_to']})" if "tied_to" in t else ""))
+        for t in op["parameter_tensors"]) or "none"
+    cls = " class=\"train\"" if op["training_only"] else ""
+    return (f'<tr{cls}><td style="border-left:6px solid {COLORS[op["kind"]]}">{n}</td>'
             f'<td>{"" if op["block"] is None else op["block"]}</td><td><b>{html.escape(op["name"])}</b></td>'
             f'<td class="f">{html.escape(op["formula"])}</td><td class="s">{inputs}</td>'
             f'<td class="s">{html.escape(shape_str(op["output_shape"], op["axes"]))}</td>'
             f'<td class="s">{params}</td><td class="n">{op["parameters"]:,}</td><td class="n">{op["flops"]:,}</td>'
             f'<td class="n">{_bytes(op["activation_bytes"])}</td><td>{html.escape(_flags(op))}</td></tr>')
+
+
+def format_html(sheet: dict) -> str:
+    """One self-contained page: inline CSS and SVG, no external resources."""
+    rows = [_html_row(n, op) for n, op in enumerate(sheet["ops"])]
     summary = "".join(f"<li>{html.escape(line)}</li>" for line in _summary_lines(sheet))
     title = f"GPT-2 architecture sheet: {sheet['model'] or 'GPT'}, {sheet['mode']}"
     return f"""<!DOCTYPE html>
