@@ -17,7 +17,7 @@ import transformers
 from safetensors.torch import save_file
 
 from gpt2 import GPT, CheckpointError, GPTConfig
-from gpt2.weights import describe_model, save_native
+from gpt2.weights import describe_model, preset_name, resolve_config, save_native
 
 from conftest import TINY
 
@@ -249,6 +249,31 @@ def test_info_on_a_directory_reads_only_headers(hf_model_dir):
     info = describe_model(str(directory))
     assert info["parameters"] == hf.num_parameters()
     assert info["bytes"] == hf.num_parameters() * 4 and info["dtype"] == "float32"
+
+
+def test_one_rule_for_preset_or_directory(hf_model_dir, tmp_path, monkeypatch):
+    """gpt2 info and gpt2 inspect both go through resolve_config: presets by name, anything else by path or hub."""
+    assert preset_name("gpt2-xl") == preset_name("openai-community/gpt2-xl") == "gpt2-xl"
+    assert preset_name("gpt2-huge") is None
+    preset = resolve_config("openai-community/gpt2-medium")
+    assert (preset.source, preset.directory, preset.config) == ("preset gpt2-medium", None, GPTConfig.preset("gpt2-medium"))
+    hf, directory = hf_model_dir()
+    resolved = resolve_config(directory)
+    assert (resolved.directory, resolved.layout, resolved.config.n_embd) == (directory, "hf", hf.config.n_embd)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gpt2").symlink_to(directory)  # a local directory named like a preset is read as a directory
+    assert preset_name("gpt2") is None and resolve_config("gpt2").layout == "hf"
+
+
+def test_saving_without_a_vocabulary_warns(tmp_path, monkeypatch):
+    from gpt2 import Tokenizer, TokenizerError
+
+    def no_vocabulary(*args, **kwargs):
+        raise TokenizerError("no GPT-2 vocabulary found")
+    monkeypatch.setattr(Tokenizer, "gpt2", no_vocabulary)
+    with pytest.warns(UserWarning, match="saved without tokenizer files: no GPT-2 vocabulary found"):
+        save_native(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8)), tmp_path / "ckpt")
+    assert GPT.from_pretrained(tmp_path / "ckpt").config.n_embd == 8  # the weights are complete without it
 
 
 # --- memory --------------------------------------------------------------------------------------

@@ -20,6 +20,8 @@ from gpt2.errors import ConfigError
 GPT2_VOCAB_SIZE = 50257  # OpenAI's byte-level BPE: 50,000 merges + 256 bytes + <|endoftext|>
 GPT2_EOT = 50256         # <|endoftext|>, GPT-2's only special token (no BOS: documents start after it)
 
+# The one list of supported activation_function names (Transformers' spelling). model.py maps each to
+# its function, inspect.py to its op on the sheet; both are keyed by this tuple and checked against it.
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu")
 
 
