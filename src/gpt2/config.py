@@ -21,7 +21,7 @@ GPT2_VOCAB_SIZE = 50257  # OpenAI's byte-level BPE: 50,000 merges + 256 bytes + 
 GPT2_EOT = 50256         # <|endoftext|>, GPT-2's only special token (no BOS: documents start after it)
 
 # The one list of supported activation_function names (Transformers' spelling). model.py maps each to
-# its function, inspect.py to its op on the sheet; both are keyed by this tuple and checked against it.
+# its function and inspect.py to its op on the sheet, both keyed by these names.
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu")
 
 
