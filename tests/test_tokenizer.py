@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import shutil
 
@@ -28,32 +27,7 @@ N_FUZZ = 20_000
 # references
 # ---------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="session")
-def openai_files():
-    return T._wheel_files()  # (encoder.json, vocab.bpe)
-
-
-@pytest.fixture(scope="session")
-def tik(openai_files, tmp_path_factory):
-    """tiktoken's gpt2 Encoding via tiktoken's own loader, from a cache dir laid out offline."""
-    import tiktoken
-    import tiktoken_ext.openai_public as openai_public
-
-    cache = tmp_path_factory.mktemp("tiktoken-cache")
-    enc_json, vocab_bpe = openai_files
-    for name, url in T.TIKTOKEN_URLS.items():
-        src = enc_json if name == "encoder.json" else vocab_bpe
-        shutil.copy(src, cache / hashlib.sha1(url.encode()).hexdigest())
-    old = os.environ.get("TIKTOKEN_CACHE_DIR")
-    os.environ["TIKTOKEN_CACHE_DIR"] = str(cache)
-    try:
-        return tiktoken.Encoding(**openai_public.gpt2())
-    finally:
-        if old is None:
-            del os.environ["TIKTOKEN_CACHE_DIR"]
-        else:
-            os.environ["TIKTOKEN_CACHE_DIR"] = old
-
+# openai_files, tik (tiktoken's own loader) and tok (ours) are shared fixtures in conftest.py.
 
 @pytest.fixture(scope="session")
 def hf(openai_files):
@@ -69,14 +43,8 @@ def hf(openai_files):
 
 
 @pytest.fixture(scope="session")
-def tok():
-    return Tokenizer.gpt2()
-
-
-@pytest.fixture(scope="session")
-def shakespeare():
-    from gpt2.data import fetch_shakespeare
-    return [p.read_text(encoding="utf-8") for p in fetch_shakespeare()]
+def shakespeare(shakespeare_paths):
+    return [p.read_text(encoding="utf-8") for p in shakespeare_paths]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,7 +156,7 @@ def test_shakespeare_parity(tok, tik, hf, shakespeare):
 
 
 # ---------------------------------------------------------------------------------------------
-# safe split points (the proof in tokenizer._SAFE_SPLIT, checked)
+# safe split points (the proof in tokenizer.SAFE_SPLIT, checked)
 # ---------------------------------------------------------------------------------------------
 
 def test_python_whitespace_covers_unicode_white_space():

@@ -43,7 +43,7 @@ accepted only with `allow_custom=True` (it must still be a consistent byte-level
 
 Speed. Encoding is tiktoken's Rust core, so a single thread matches tiktoken. A large input (over
 `parallel_min_chars`) is cut at boundaries where the result provably cannot change (see
-`_SAFE_SPLIT`) and the pieces are encoded on a thread pool (tiktoken releases the GIL), then
+`SAFE_SPLIT`) and the pieces are encoded on a thread pool (tiktoken releases the GIL), then
 concatenated. `num_threads=None` uses one thread per idle CPU (CPUs minus the load average), so a
 busy machine gets one thread; pass num_threads=N to force N.
 """
@@ -113,7 +113,7 @@ _FIX = ("Fix: delete the file so the next source is used, or reinstall the data 
 # "Whitespace" here is Python's str.isspace (re's \s), a superset of Unicode White_Space (it adds
 # U+001C..U+001F), so "not \s" in Python implies "not \s" in tiktoken's and Oniguruma's regex.
 # tests/test_tokenizer.py checks the superset claim and the cut against unsplit encoding.
-_SAFE_SPLIT = re.compile(r"(?<=\S\n)(?=\S)")
+SAFE_SPLIT = re.compile(r"(?<=\S\n)(?=\S)")
 
 
 def safe_split_points(text: str, target: int) -> list[int]:
@@ -121,7 +121,7 @@ def safe_split_points(text: str, target: int) -> list[int]:
     cuts, n = [], len(text)
     pos = target
     while pos < n:
-        m = _SAFE_SPLIT.search(text, pos)
+        m = SAFE_SPLIT.search(text, pos)
         if m is None:
             break
         cuts.append(m.start())
@@ -130,7 +130,7 @@ def safe_split_points(text: str, target: int) -> list[int]:
 
 
 def split_text(text: str, target: int) -> list[str]:
-    """`text` cut at safe points into pieces of about `target` characters (see `_SAFE_SPLIT`)."""
+    """`text` cut at safe points into pieces of about `target` characters (see `SAFE_SPLIT`)."""
     cuts = safe_split_points(text, target)
     bounds = [0, *cuts, len(text)]
     return [text[a:b] for a, b in zip(bounds[:-1], bounds[1:])]

@@ -1,0 +1,161 @@
+"""llm.c's token shard format: one file of uint16 tokens behind a 1024-byte header, and a split as a list of them.
+
+    from gpt2.shards import read_shard, write_shard, load_split
+    write_shard("data/mine/mine_val_000000.bin", ids)   # ids < 65536, written atomically
+    tokens = read_shard("data/mine/mine_val_000000.bin")  # read-only uint16 memmap, header and size checked
+    val = load_split("data/mine", "val")                 # every val shard, concatenated (for evaluation)
+
+The format (llm.c's dev/data/data_common.py): a header of 256 little-endian int32 (magic 20240520,
+version 1, token count, then zeros), followed by the tokens as little-endian uint16. A file whose
+magic, version or size disagrees with its header raises DataError naming the file.
+
+A prepared directory (see gpt2.data.prepare) holds {name}_{split}_{k:06d}.bin files and a manifest.json
+listing them; `shard_files` reads the list from the manifest, else by that name pattern, and also
+accepts a glob pattern or a list of paths. `ShardWriter` writes one split as numbered shards.
+"""
+
+from __future__ import annotations
+
+import glob as globlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from gpt2.atomic import atomic_write_bytes
+from gpt2.errors import DataError
+
+MAGIC = 20240520  # llm.c's magic for GPT-2 uint16 shards
+VERSION = 1
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+FORMAT = {"name": "llm.c", "magic": MAGIC, "version": VERSION, "header_bytes": HEADER_BYTES, "dtype": "uint16"}
+
+
+def shard_filename(name: str, split: str, index: int) -> str:
+    return f"{name}_{split}_{index:06d}.bin"
+
+
+def shard_pattern(split: str, name: str = "*") -> str:
+    """The glob that matches shard_filename(name, split, any index)."""
+    return f"{name}_{split}_*.bin"
+
+
+# ---------------------------------------------------------------------------------------------
+# one shard
+# ---------------------------------------------------------------------------------------------
+
+def write_shard(path: str | os.PathLike, tokens) -> Path:
+    """Write `tokens` (ints < 65536) as one llm.c shard, atomically."""
+    toks = np.asarray(tokens)
+    if toks.size and (toks.min() < 0 or toks.max() > 65535):
+        raise DataError(f"{path}: token ids must be in [0, 65535] to be stored as uint16")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[0], header[1], header[2] = MAGIC, VERSION, toks.size
+
+    def write(tmp):
+        with open(tmp, "wb") as f:
+            f.write(header.tobytes())
+            f.write(toks.astype("<u2", copy=False).tobytes())
+
+    atomic_write_bytes(path, write)
+    return Path(path)
+
+
+def read_shard_header(path: str | os.PathLike) -> int:
+    """Token count of a shard after checking magic, version and the file size."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
+    except OSError as e:
+        raise DataError(f"{path}: cannot read shard ({e})") from None
+    if header.size != HEADER_INTS:
+        raise DataError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte llm.c header")
+    if header[0] != MAGIC:
+        raise DataError(f"{path}: magic {header[0]} is not llm.c's {MAGIC}; not a token shard")
+    if header[1] != VERSION:
+        raise DataError(f"{path}: version {header[1]} is not supported (only {VERSION}: GPT-2, uint16)")
+    n = int(header[2])
+    if n < 0 or size != HEADER_BYTES + 2 * n:
+        raise DataError(f"{path}: the header says {n} tokens ({HEADER_BYTES + 2 * n} bytes) but the file has "
+                        f"{size} bytes: truncated or corrupt. Fix: prepare the data again.")
+    return n
+
+
+def read_shard(path: str | os.PathLike) -> np.memmap | np.ndarray:
+    """The tokens of a shard as a read-only uint16 memmap (header and size checked)."""
+    n = read_shard_header(path)
+    if n == 0:
+        return np.zeros(0, dtype=np.uint16)
+    return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,))
+
+
+# ---------------------------------------------------------------------------------------------
+# a split: numbered shards
+# ---------------------------------------------------------------------------------------------
+
+def shard_files(source, split: str = "train") -> list[Path]:
+    """A split's shard paths: from DIR/manifest.json, else DIR/*_{split}_*.bin, a glob, or a list."""
+    if isinstance(source, (list, tuple)):
+        files = [Path(p) for p in source]
+    else:
+        p = Path(source)
+        if p.is_dir():
+            man = p / "manifest.json"
+            if man.is_file():
+                m = json.loads(man.read_text())
+                files = [p / s["file"] for s in m["shards"].get(split, [])]
+            else:
+                files = sorted(p.glob(shard_pattern(split)))
+        else:
+            files = sorted(Path(f) for f in globlib.glob(str(source)))
+    if not files:
+        raise DataError(f"{source}: no {split} shards found. Fix: run `gpt2 prepare ... --out DIR` first, "
+                        "or check the split name and path.")
+    for f in files:
+        if not f.is_file():
+            raise DataError(f"{f}: shard listed but missing. Fix: prepare the data again.")
+    return files
+
+
+def load_split(source, split: str = "val") -> np.ndarray:
+    """All tokens of a split concatenated into one uint16 array (for evaluation)."""
+    return np.concatenate([np.asarray(read_shard(f)) for f in shard_files(source, split)])
+
+
+class ShardWriter:
+    """Buffers one split's tokens and writes full shards as they fill (memory <= one shard + one batch).
+
+        w = ShardWriter(Path("data/mine"), "mine", "train", shard_size=100_000_000)
+        w.add(ids); ...; w.close()          # w.shards: [{"file": ..., "tokens": ...}], w.tokens: the total
+    """
+
+    def __init__(self, out_dir: Path, name: str, split: str, shard_size: int):
+        self.out_dir, self.name, self.split, self.shard_size = out_dir, name, split, shard_size
+        self.pending: list[np.ndarray] = []
+        self.n_pending = 0
+        self.shards: list[dict] = []
+        self.tokens = 0
+
+    def add(self, toks: np.ndarray) -> None:
+        self.pending.append(toks)
+        self.n_pending += toks.size
+        self.tokens += toks.size
+        while self.n_pending >= self.shard_size:
+            allt = np.concatenate(self.pending)
+            self._write(allt[: self.shard_size])
+            rest = allt[self.shard_size:]
+            self.pending, self.n_pending = ([rest] if rest.size else []), rest.size
+
+    def close(self) -> None:
+        if self.n_pending:
+            self._write(np.concatenate(self.pending))
+        self.pending, self.n_pending = [], 0
+
+    def _write(self, toks: np.ndarray) -> None:
+        fname = shard_filename(self.name, self.split, len(self.shards))
+        write_shard(self.out_dir / fname, toks)
+        self.shards.append({"file": fname, "tokens": int(toks.size)})
