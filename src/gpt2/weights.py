@@ -12,6 +12,9 @@ nn.Linear, (out, in). The table below is therefore a single list of transposed k
 directions. Old files may lack the "transformer." prefix (the official hub checkpoints do) or carry
 the attn.bias / attn.masked_bias mask buffers, which are skipped.
 
+`gpt2 info` and `gpt2 inspect` read only a config: `resolve_config` is the one rule for "a preset
+name, or a model directory, run directory or hub name".
+
 Two on-disk layouts:
   Hugging Face: config.json + model.safetensors (or a sharded index, or pytorch_model.bin)
   ours:         gpt2.json (config and metadata) + model.safetensors in nn.Linear orientation
@@ -344,9 +347,19 @@ def load_model(name_or_path, device=None, dtype=None, vocab_multiple: int = 1) -
     """Build the model on the meta device, then fill it tensor by tensor, strictly."""
     directory = resolve_directory(name_or_path)
     config, layout = read_config(directory)
-    dtype = parse_dtype(dtype)
     with torch.device("meta"):
         model = GPT(config, vocab_multiple=vocab_multiple)
+    state = _read_state(directory, model, layout, parse_dtype(dtype), device)
+    for name, tensor in state.items():
+        module_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(tensor))
+    model.lm_head.weight = model.transformer.wte.weight  # re-tie after replacing wte's parameter
+    return model.eval()
+
+
+def _read_state(directory: Path, model: GPT, layout: str, dtype, device) -> dict[str, torch.Tensor]:
+    """Every parameter of the (meta) model, read from the directory's files; CheckpointError listing what is off."""
+    config = model.config
     expected = {name: p for name, p in model.named_parameters()}  # the tied lm_head is listed once, as wte
     state, problems = {}, []
     buffer = torch.empty(4 * 2**20, dtype=torch.uint8)  # the one staging buffer for every tensor
@@ -381,11 +394,7 @@ def load_model(name_or_path, device=None, dtype=None, vocab_multiple: int = 1) -
         raise CheckpointError(f"{directory}: weights do not match the config "
                               f"({config.n_layer} layers, width {config.n_embd}): " + "; ".join(problems[:10])
                               + (f"; and {len(problems) - 10} more" if len(problems) > 10 else ""))
-    for name, tensor in state.items():
-        module_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(tensor))
-    model.lm_head.weight = model.transformer.wte.weight  # re-tie after replacing wte's parameter
-    return model.eval()
+    return state
 
 
 # ---------------------------------------------------------------------------------------------
