@@ -4,8 +4,10 @@
     gpt2 inspect gpt2-xl --mode training --batch 8 --seq 1024 --format html > sheet.html
     gpt2 inspect path/to/model --mode prefill --seq 128 --format json
 
-    from gpt2.inspect import architecture_sheet
+    from gpt2.inspect import architecture_sheet, inspect_model, render_sheet, InspectConfig
     sheet = architecture_sheet(model, mode="prefill", batch=1, seq=16)   # a JSON-ready dict
+    sheet = inspect_model("gpt2-xl", mode="decode")                      # a preset or directory, no weights read
+    text = render_sheet(InspectConfig(model="gpt2", mode="decode"))      # what `gpt2 inspect` prints
 
 It presents GPT-2 as the seeds do: each operation with its formula, its input and output shapes on
 named axes ([B batch, 12 heads, T queries, T keys]), its parameter tensors, whether it acts only in
