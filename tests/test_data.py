@@ -164,6 +164,7 @@ def test_prepare_files_dirs_jsonl_streaming(tmp_path, tik):
     pieces = list(D._text_pieces(src_b, cfg, __import__("hashlib").sha256(), _NoBar()))
     assert len(pieces) > 10 and "".join(pieces) == docs[1]
     assert m["documents"] == {"train": 4, "val": 0, "empty_skipped": 1} and m["name"] == "out"
+    assert D._worker_tokenizer is None  # the pool's tokenizer lived only in its worker processes
     # A second, smaller run of the same name leaves no stale shards behind.
     prepare(PrepareConfig(inputs=[str(src / "a.txt")], out_dir=str(out), val_fraction=0.0, workers=1))
     assert shards.load_split(out, "train").tolist() == _expected_stream(tik, [docs[0]])

@@ -84,7 +84,7 @@ SPLITS = ("train", "val")
 class PrepareConfig:
     inputs: list[str]
     out_dir: str
-    name: str | None = None            # shard prefix; default the dataset's name for one named dataset, else out_dir's name
+    name: str | None = None            # shard prefix; default: a lone named dataset's name, else out_dir's
     val_fraction: float = 0.1
     seed: int = 0
     text_field: str = "text"           # .jsonl field holding the document text
