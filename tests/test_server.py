@@ -353,6 +353,12 @@ def test_echo_and_logprobs(srv, model, tok):
     assert lp.token_logprobs[1:] == pytest.approx(ref, abs=1e-4)
     for i, top in enumerate(lp.top_logprobs[1:], start=1):
         assert len(top) <= 2 and max(top.values()) == pytest.approx(float(logp[i - 1].max()), abs=1e-4)
+    # streamed: the echoed prompt's chunk carries its logprobs, then one chunk per token
+    chunks = list(c.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0, echo=True,
+                                       logprobs=2, stream=True))
+    assert "".join(chunk.choices[0].text for chunk in chunks) == ch.text
+    streamed = [x for chunk in chunks if chunk.choices[0].logprobs for x in chunk.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(ref, abs=1e-4)
 
 
 def test_malformed_requests_get_openai_errors_then_server_still_correct(srv, model, tok, model_dir):
