@@ -23,6 +23,7 @@ import argparse
 import json
 import sys
 
+from gpt2.config import GPT2_EOT
 from gpt2.evaluate import PREPROCESS
 from gpt2.inspect import FORMATS, MODES
 from gpt2.weights import DTYPES
@@ -82,7 +83,7 @@ def add_tokenize_parser(sub):
     p.add_argument("--count", action="store_true", help="print only the number of tokens")
     p.add_argument("--ids", action="store_true", help="print only the ids, space separated")
     p.add_argument("--special", choices=["error", "allow", "text"], default="error",
-                   help="<|endoftext|> in the text: error (default), allow (id 50256) or text (plain text)")
+                   help=f"<|endoftext|> in the text: error (default), allow (id {GPT2_EOT}) or text (plain text)")
     p.add_argument("--vocab-dir", help="directory with the vocabulary files (default: resolved, see tokenizer.py)")
     p.set_defaults(func=cmd_tokenize)
 
@@ -341,7 +342,6 @@ def _generate_text(model, tok, prompt: str, cfg, num_samples: int, seed, stop: l
     """
     import dataclasses
 
-    from gpt2.config import GPT2_EOT
     from gpt2.engine import Stream
     from gpt2.tokenizer import TextStream
     ids = tok.encode(prompt, allowed_special="all") or [GPT2_EOT]  # GPT-2 has no BOS: start from <|endoftext|>
