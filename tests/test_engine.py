@@ -16,7 +16,6 @@ from gpt2 import GPT, ContextLengthError
 from gpt2.engine import generate, generate_naive, stream
 from gpt2.tokenizer import TextStream
 from gpt2.errors import ConfigError
-from gpt2.quantize import QuantLinear, quantize_int8, quantize_per_channel
 
 import conftest
 
@@ -243,51 +242,15 @@ def test_cli_generate_stream_equals_plain(tmp_path, tokenizer, capsys):
 
 # --- precision --------------------------------------------------------------------------------
 
-def test_quantize_per_channel_error_is_bounded():
-    torch.manual_seed(0)
-    w = torch.randn(64, 48) * torch.linspace(0.01, 3, 64)[:, None]  # very different row scales
-    q, s = quantize_per_channel(w)
-    assert q.dtype == torch.int8 and s.shape == (64,)
-    assert ((q.float() * s[:, None] - w).abs() <= s[:, None] / 2 + 1e-6).all()  # half a step, per row
-    x = torch.randn(5, 48, dtype=torch.bfloat16)
-    lin = QuantLinear(w, torch.randn(64), torch.bfloat16)
-    ref = x.float() @ (q.float() * s[:, None]).t() + lin.bias.float()
-    torch.testing.assert_close(lin(x).float(), ref, rtol=2e-2, atol=2e-2)
-    x = torch.randn(2, 40, 48, dtype=torch.bfloat16)  # 80 rows: the prefill (dequantize + float32 GEMM) path
-    ref = x.float() @ (q.float() * s[:, None]).t() + lin.bias.float()
-    torch.testing.assert_close(lin(x).float(), ref, rtol=2e-2, atol=2e-2)
-
-
-def test_int8_model_cached_equals_naive_and_tracks_float32(tmp_path):
-    _, model = save_hf_model(tmp_path, n_embd=64)
-    ids = torch.tensor([PROMPTS[0] * 4])
-    with torch.inference_mode():
-        ref = model(ids)
-    q = quantize_int8(GPT.from_pretrained(tmp_path))
-    assert isinstance(q.lm_head, QuantLinear)
-    with torch.inference_mode():
-        out = q(ids).float()
-    assert (out - ref).abs().max() < 0.1 * ref.abs().max()
-    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.8
-    assert generate(q, PROMPTS, max_new_tokens=20) == generate_naive(q, PROMPTS, max_new_tokens=20)
-
-
-def test_bfloat16_logits_track_float32_and_packing_changes_nothing(model):
+def test_bfloat16_logits_track_float32(model):
     import copy
-
-    from gpt2.quantize import pack_bf16
     ids = torch.tensor([PROMPTS[0] * 3])
     bf = copy.deepcopy(model).to(torch.bfloat16)
-    packed = pack_bf16(copy.deepcopy(model).to(torch.bfloat16))
     with torch.inference_mode():
-        ref, out, out_packed = model(ids), bf(ids).float(), packed(ids).float()
+        ref, out = model(ids), bf(ids).float()
     assert out.dtype == torch.float32 and bf.lm_head.weight.dtype == torch.bfloat16
     assert (out - ref).abs().max() < 0.05 * ref.abs().max()
-    torch.testing.assert_close(out_packed, out, rtol=2e-2, atol=2e-2)
-    long = torch.tensor([(PROMPTS[0] * 10)[:70]])  # 70 rows: the float32 prefill path of PackedLinear
-    with torch.inference_mode():
-        torch.testing.assert_close(packed(long).float(), bf(long).float(), rtol=3e-2, atol=3e-2)
-    assert all(len(r) == 10 for r in generate(packed, PROMPTS, max_new_tokens=10))
+    # Packed, fused and quantized linears (load_for_inference): tests/test_kernels.py.
 
 
 @pytest.mark.slow

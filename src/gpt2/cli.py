@@ -37,14 +37,21 @@ def add_info_parser(sub):
     p = sub.add_parser("info", help="config, parameter count, dtype and bytes of a model or preset")
     p.add_argument("model", help="preset name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), directory or hub name")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--kernels", action="store_true",
+                   help="also show the kernel each linear uses on this CPU, and the timings behind the choice")
+    p.add_argument("--kernels-dtype", choices=["float32", "bfloat16", "int8", "int4"], action="append",
+                   help="precision for --kernels (repeatable; default: all four)")
     p.set_defaults(func=cmd_info)
 
 
 def cmd_info(args):
     from gpt2.weights import describe_model
     info = describe_model(args.model)
+    if args.kernels:
+        info["kernels"] = _kernel_plans(info["config"], args.kernels_dtype or ["float32", "bfloat16", "int8", "int4"])
     if args.json:
-        print(json.dumps(info))
+        print(json.dumps({k: v if k != "kernels" else {p: plan.choices_dict() for p, plan in v.items()}
+                          for k, v in info.items()}))
         return
     print(f"model:       {info['source']}")
     print(f"weights:     {info['weights']}")
@@ -54,6 +61,20 @@ def cmd_info(args):
     print("config:")
     for key, value in info["config"].items():
         print(f"  {key:34s} {value}")
+    for plan in info.get("kernels", {}).values():
+        print(plan.describe())
+
+
+def _kernel_plans(config: dict, precisions: list[str]) -> dict:
+    """precision -> kernels.Plan for a model of this config (built on the meta device: shapes only)."""
+    import torch
+
+    from gpt2.config import GPTConfig
+    from gpt2.kernels import plan_for
+    from gpt2.model import GPT
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**config))
+    return {p: plan_for(model, p, device_type="cpu") for p in precisions}
 
 
 def add_convert_parser(sub):
@@ -304,8 +325,9 @@ def add_generate_parser(sub):
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at <|endoftext|>")
     p.add_argument("--truncate", choices=["left"], default=None, help="cut a too-long prompt from the left")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "int8"], default="float32",
-                   help="int8: weight-only, bf16 compute")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "int8", "int4"], default="float32",
+                   help="weights: int8 per channel, int4 per group of 32; kernels chosen by measuring (gpt2 info --kernels)")
+    p.add_argument("--verbose", action="store_true", help="print the kernel chosen for each linear, and why")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step (fixed shapes; the first run per shape compiles: "
@@ -318,7 +340,7 @@ def cmd_generate(args):
     from gpt2.engine import make_config
     from gpt2.quantize import load_for_inference
     from gpt2.tokenizer import Tokenizer
-    model = load_for_inference(args.model, dtype=args.dtype, device=args.device)
+    model = load_for_inference(args.model, dtype=args.dtype, device=args.device, verbose=args.verbose)
     require_gpt2_vocab(model.config, args.model)
     tok = Tokenizer.from_pretrained(args.model)
     prompt = sys.stdin.read() if args.stdin else args.prompt
@@ -378,7 +400,7 @@ def add_serve_parser(sub):
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together (1: one at a time)")
     p.add_argument("--max-queue", type=int, default=64, help="sequences waiting for a slot before requests get 429")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "int8"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "int8", "int4"], default="float32")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     p.set_defaults(func=cmd_serve)
 

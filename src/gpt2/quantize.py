@@ -1,26 +1,39 @@
-"""Inference weight formats: int8 weight-only quantization, and oneDNN-packed bfloat16 linears on CPU.
+"""Inference weight formats (float32, bfloat16, int8, int4) and loading a model for inference.
 
-    from gpt2.quantize import quantize_int8, pack_bf16
-    model = quantize_int8(GPT.from_pretrained("gpt2"))                       # int8 weights, bf16 compute
-    model = pack_bf16(GPT.from_pretrained("gpt2", dtype=torch.bfloat16))     # same numbers, faster on CPU
+    from gpt2.quantize import load_for_inference
+    model = load_for_inference("gpt2", "int8")        # kernels measured on this CPU (kernels.py), then cached
 
-    gpt2 generate --model gpt2 --dtype int8 "Hello"
+    gpt2 generate --model gpt2 --dtype int4 "Hello" --verbose     # --verbose shows the chosen kernels
 
-Decoding one token reads every weight once, so on a CPU its speed is set by bytes of weights per
-token: float32 4, bfloat16 2, int8 1 (+ one scale per output channel).
+Decoding one token reads every weight once, so on a CPU its speed is set by the bytes of weights per
+token (float32 4, bfloat16 2, int8 1, int4 0.5 + scales) and by how close a kernel reads them to the
+memory bandwidth. Prefill is a GEMM over hundreds of rows, bound by FLOPs instead. Which kernel is
+fastest for each differs from CPU to CPU, so this file only says what each format stores and which
+kernels (paths) can compute with it; kernels.py measures them on the machine and picks.
 
-int8: every nn.Linear (and the lm_head, which gets its own int8 copy of wte; the embedding lookup stays
-in bf16) becomes a QuantLinear: w ~= q * s with q int8 (out, in) and s (out,) = max|w[row]| / 127
-(symmetric, per output channel). Activations stay in the compute dtype. On CPU the product runs in
-PyTorch's `_weight_int8pack_mm` kernel (it dequantizes inside the GEMM); elsewhere q is dequantized on
-the fly. Quality cost, measured on real text: see BENCHMARKS.md (## Generation).
+A WeightFormat packs a linear's float32 weight (N, K) once into its tensors, and offers paths:
+functions (x (M, K), tensors) -> y (M, N). Every path of a format computes with the same weights, so
+`reference_weight` (those weights dequantized to float64) is the reference each path is checked against.
 
-pack_bf16: PyTorch's plain bf16 GEMM on CPU is slow for one row (decode); oneDNN with the weight
-reordered once into its blocked layout runs at memory speed. Same arithmetic, same results to
-bf16 rounding. CPU only; other devices keep nn.Linear.
+  float32   plain (F.linear), onednn (weight reordered for oneDNN), mkl (weight packed for MKL)
+  bfloat16  plain (F.linear), onednn
+  int8      per output channel, w = q * s (symmetric):
+              weight-only: _weight_int8pack_mm (bf16 activations), or dequantize + bf16/fp32 GEMM;
+              dynamic: fbgemm's / oneDNN's u8s8 GEMM (VNNI) with the activations quantized per call,
+              as llama.cpp's Q8_0 does
+  int4      per group of 32 along K, w = (q - 8) * s + z (asymmetric, PyTorch's tinygemm convention):
+              _weight_int4pack_mm_for_cpu (bf16 activations) on CPU; elsewhere the nibbles are
+              dequantized for a bf16 GEMM (on CPU that measured 2-50x slower, so it is not offered)
+
+The lm_head is quantized too (its own copy; wte stays in the compute dtype for the lookup). The
+activation of c_fc (GELU) is fused into the GEMM as a oneDNN post-op where the path allows.
 """
 
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -28,125 +41,327 @@ import torch.nn.functional as F
 
 from gpt2.errors import ConfigError
 
+log = logging.getLogger(__name__)
 
-def _int8pack_available(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and hasattr(
-        torch.ops.aten, "_weight_int8pack_mm")
+PRECISIONS = ("float32", "bfloat16", "int8", "int4")
+INT4_GROUP = 32  # Q4_0's block size; 4 bytes of scale + zero per 32 weights: 5 bits per weight in all
 
+# A path: (x (M, K) in the compute dtype, tensors, bias or None, activation or None) -> y (M, N).
+Path = Callable[[torch.Tensor, dict, "torch.Tensor | None", "str | None"], torch.Tensor]
+
+
+# ---------------------------------------------------------------------------------------------
+# quantizers: float weights -> integers and scales
+# ---------------------------------------------------------------------------------------------
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w (out, in) float -> q (out, in) int8, scales (out,) float32 with w ~= q * scales[:, None]."""
+    """w (N, K) float -> q (N, K) int8, scales (N,) float32 with w ~= q * scales[:, None]."""
     w = w.detach().float()
-    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # (out,)
+    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # (N,)
     q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scales
 
 
-class QuantLinear(nn.Module):
-    """nn.Linear with int8 weights and per-output-channel scales; computes in the activations' dtype."""
+def quantize_int4_groups(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (N, K) -> q (N, K) int32 in [0, 15], scales_zeros (K/group, N, 2) with w ~= (q - 8) * s + z.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype=torch.bfloat16):
+    Per group the 16 levels span [min, max] (asymmetric), so z = min + 8 s.
+    """
+    N, K = w.shape
+    if K % group:
+        raise ConfigError(f"int4 needs in_features divisible by {group}, got {K}")
+    g = w.detach().float().view(N, K // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)  # (N, K/group)
+    s = ((hi - lo) / 15).clamp(min=1e-12)
+    q = torch.round((g - lo[..., None]) / s[..., None]).clamp(0, 15)
+    z = lo + 8 * s
+    scales_zeros = torch.stack([s, z], dim=-1).transpose(0, 1).contiguous()  # (K/group, N, 2)
+    return q.view(N, K).to(torch.int32), scales_zeros
+
+
+def _int4_dequantize(nibbles: torch.Tensor, scales_zeros: torch.Tensor, dtype) -> torch.Tensor:
+    """nibbles (N, K/2) uint8 (q[:, 2j] low, q[:, 2j+1] high) -> w (N, K) in dtype."""
+    N = nibbles.size(0)
+    q = torch.stack((nibbles & 15, nibbles >> 4), dim=-1).view(N, -1)  # (N, K)
+    G = scales_zeros.size(0)
+    sz = scales_zeros.to(dtype).transpose(0, 1)  # (N, K/group, 2)
+    w = (q.view(N, G, -1).to(dtype) - 8) * sz[..., :1] + sz[..., 1:]
+    return w.view(N, -1)
+
+
+# ---------------------------------------------------------------------------------------------
+# paths: the kernels, each (x, tensors, bias, activation) -> y
+# ---------------------------------------------------------------------------------------------
+
+def _act(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+    return y if activation is None else F.gelu(y, approximate="tanh")
+
+
+def _plain(x, t, bias, activation):
+    return _act(F.linear(x, t["weight"], bias), activation)
+
+
+def _upcast(x, t, bias, activation):
+    """bf16 weights multiplied in float32: faster where a CPU's bf16 GEMM is slow (no native bf16)."""
+    y = F.linear(x.float(), t["weight"].float(), None if bias is None else bias.float())
+    return _act(y, activation).to(x.dtype)
+
+
+def _onednn(x, t, bias, activation):
+    if activation is None:
+        return torch.ops.mkldnn._linear_pointwise(x, t["onednn"], bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, t["onednn"], bias, "gelu", [], "tanh")  # fused post-op
+
+
+def _mkl(x, t, bias, activation):
+    return _act(torch.ops.mkl._mkl_linear(x, t["mkl"], t["weight"], bias, x.size(0)), activation)
+
+
+def _int8pack(x, t, bias, activation):
+    y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), t["q"], t["scales"].to(torch.bfloat16))
+    return _act(y if bias is None else y + bias.to(y.dtype), activation).to(x.dtype)
+
+
+def _int8_dequant(dtype):
+    def path(x, t, bias, activation):
+        w = t["q"].to(dtype) * t["scales"].to(dtype)[:, None]  # (N, K): one pass, far below the GEMM's cost
+        return _act(F.linear(x.to(dtype), w, None if bias is None else bias.to(dtype)), activation).to(x.dtype)
+    return path
+
+
+def _int8_dynamic(x, t, bias, activation):
+    # x is quantized to uint8 per call (one scale for the whole call: kernels.py offers this path for
+    # decode only, where a call is one token); the GEMM runs u8 x s8 with int32 accumulation.
+    y = torch.ops.quantized.linear_dynamic(x.float(), t["packed"], False)
+    return _act(y if bias is None else y + bias.float(), activation).to(x.dtype)
+
+
+def _int4pack(x, t, bias, activation):
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), t["int4pack"], INT4_GROUP,
+                                                   t["scales_zeros_padded"])[:, : t["out_features"]]
+    return _act(y if bias is None else y + bias.to(y.dtype), activation).to(x.dtype)
+
+
+def _int4_dequant(x, t, bias, activation):
+    w = _int4_dequantize(t["nibbles"], t["scales_zeros"], torch.float32).to(torch.bfloat16)  # no cancellation in bf16
+    y = F.linear(x.to(torch.bfloat16), w, None if bias is None else bias.to(torch.bfloat16))
+    return _act(y, activation).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# formats: what is stored, its reference weights, and the paths that compute with it
+# ---------------------------------------------------------------------------------------------
+
+class _Packed:
+    """An opaque engine object (a quantized engine's packed weight) kept in a tensors dict; not a tensor."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+
+@dataclass
+class WeightFormat:
+    name: str
+    precision: str
+    pack: Callable[[torch.Tensor, "torch.Tensor | None"], dict]   # (w (N, K) float32, bias) -> tensors
+    reference_weight: Callable[[torch.Tensor, dict], torch.Tensor]  # (w float32, tensors) -> w it computes with, float64
+    paths: dict[str, Path]
+    dynamic_paths: tuple[str, ...] = ()  # paths that quantize x per call: wider tolerance, decode only
+    available: Callable[[], bool] = lambda: True
+
+
+def _has(namespace, op: str) -> Callable[[], bool]:
+    return lambda: hasattr(getattr(torch.ops, namespace), op)
+
+
+def _pack_int8(w, bias):
+    q, s = quantize_per_channel(w)
+    return {"q": q, "scales": s}
+
+
+def _int8_reference(w, t):
+    return t["q"].double() * t["scales"].double()[:, None]
+
+
+def _pack_int8_engine(engine: str):
+    def pack(w, bias):
+        q, s = quantize_per_channel(w)
+        qw = torch._make_per_channel_quantized_tensor(q, s.double(), torch.zeros_like(s, dtype=torch.long), 0)
+        previous = torch.backends.quantized.engine
+        torch.backends.quantized.engine = engine  # prepack for this engine only; restored at once
+        try:
+            packed = torch.ops.quantized.linear_prepack(qw, None)
+        finally:
+            torch.backends.quantized.engine = previous
+        return {"q": q, "scales": s, "packed": _Packed(packed)}
+    return pack
+
+
+def _engine_available(engine: str) -> Callable[[], bool]:
+    return lambda: engine in torch.backends.quantized.supported_engines and _has("quantized", "linear_dynamic")()
+
+
+def _pack_int4(packed: bool, unpacked: bool):
+    def pack(w, bias):
+        q, scales_zeros = quantize_int4_groups(w)
+        tensors = {"scales_zeros": scales_zeros.to(torch.bfloat16)}
+        if packed:  # the CPU kernel's own blocked layout, which needs N % 16 == 0: pad with zero weights
+            pad = -q.size(0) % 16
+            tensors["int4pack"] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(F.pad(q, (0, 0, 0, pad), value=8), 1)
+            tensors["scales_zeros_padded"] = F.pad(tensors["scales_zeros"], (0, 0, 0, pad))  # (K/group, N + pad, 2)
+            tensors["out_features"] = _Packed(q.size(0))
+        if unpacked:
+            tensors["nibbles"] = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)  # (N, K/2)
+        return tensors
+    return pack
+
+
+def _int4_reference(w, t):
+    q, _ = quantize_int4_groups(w)  # deterministic: the q that pack stored
+    N, K = q.shape
+    sz = t["scales_zeros"].double().transpose(0, 1)  # (N, K/group, 2), as the kernel reads them (bf16)
+    return ((q.view(N, K // INT4_GROUP, -1).double() - 8) * sz[..., :1] + sz[..., 1:]).view(N, K)
+
+
+CPU_FORMATS: list[WeightFormat] = [
+    WeightFormat("plain", "float32", lambda w, b: {"weight": w.contiguous()}, lambda w, t: w.double(),
+                 {"F.linear": _plain}),
+    WeightFormat("onednn", "float32", lambda w, b: {"onednn": torch.ops.mkldnn._reorder_linear_weight(w, 1)},
+                 lambda w, t: w.double(), {"onednn": _onednn}, available=_has("mkldnn", "_reorder_linear_weight")),
+    WeightFormat("mkl", "float32",
+                 lambda w, b: {"weight": w.contiguous(), "mkl": torch.ops.mkl._mkl_reorder_linear_weight(w, 1)},
+                 lambda w, t: w.double(), {"mkl": _mkl},
+                 available=lambda: _has("mkl", "_mkl_linear")() and torch.backends.mkl.is_available()),
+    WeightFormat("plain", "bfloat16", lambda w, b: {"weight": w.to(torch.bfloat16)},
+                 lambda w, t: t["weight"].double(), {"F.linear": _plain, "fp32 GEMM": _upcast}),
+    WeightFormat("onednn", "bfloat16",
+                 lambda w, b: {"weight": w.to(torch.bfloat16),
+                               "onednn": torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), 1)},
+                 lambda w, t: t["weight"].double(), {"onednn": _onednn, "fp32 GEMM": _upcast},
+                 available=_has("mkldnn", "_reorder_linear_weight")),
+    WeightFormat("weight-only", "int8", _pack_int8, _int8_reference,
+                 {"int8pack_mm": _int8pack, "dequant bf16": _int8_dequant(torch.bfloat16),
+                  "dequant fp32": _int8_dequant(torch.float32)},
+                 available=_has("aten", "_weight_int8pack_mm")),
+    WeightFormat("dynamic fbgemm", "int8", _pack_int8_engine("fbgemm"), _int8_reference,
+                 {"u8s8 dynamic": _int8_dynamic, "int8pack_mm": _int8pack, "dequant bf16": _int8_dequant(torch.bfloat16)},
+                 dynamic_paths=("u8s8 dynamic",), available=_engine_available("fbgemm")),
+    WeightFormat("dynamic onednn", "int8", _pack_int8_engine("onednn"), _int8_reference,
+                 {"u8s8 dynamic": _int8_dynamic, "int8pack_mm": _int8pack, "dequant bf16": _int8_dequant(torch.bfloat16)},
+                 dynamic_paths=("u8s8 dynamic",), available=_engine_available("onednn")),
+    WeightFormat("int4pack", "int4", _pack_int4(packed=True, unpacked=False), _int4_reference, {"int4pack_mm": _int4pack},
+                 available=_has("aten", "_weight_int4pack_mm_for_cpu")),
+]
+# Elsewhere (CUDA, MPS) each precision has one format; its GEMM libraries are not chosen from here.
+OTHER_FORMATS: list[WeightFormat] = [
+    WeightFormat("plain", "float32", CPU_FORMATS[0].pack, CPU_FORMATS[0].reference_weight, {"F.linear": _plain}),
+    WeightFormat("plain", "bfloat16", CPU_FORMATS[3].pack, CPU_FORMATS[3].reference_weight, {"F.linear": _plain}),
+    WeightFormat("weight-only", "int8", _pack_int8, _int8_reference, {"dequant bf16": _int8_dequant(torch.bfloat16)}),
+    WeightFormat("unpacked", "int4", _pack_int4(packed=False, unpacked=True), _int4_reference,
+                 {"dequant bf16": _int4_dequant}),
+]
+
+
+def formats_for(precision: str, device_type: str = "cpu") -> list[WeightFormat]:
+    if precision not in PRECISIONS:
+        raise ConfigError(f"dtype {precision!r} is not supported for inference; choose {', '.join(PRECISIONS)}")
+    table = CPU_FORMATS if device_type == "cpu" else OTHER_FORMATS
+    return [f for f in table if f.precision == precision and f.available()]
+
+
+def format_named(precision: str, name: str, device_type: str = "cpu") -> WeightFormat:
+    for f in formats_for(precision, device_type):
+        if f.name == name:
+            return f
+    raise ConfigError(f"no {precision} weight format {name!r} on {device_type}")
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype of the activations, embeddings and LayerNorms around the linears."""
+    return torch.float32 if precision == "float32" else torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------------------
+# the module: one linear in one format, one path per regime
+# ---------------------------------------------------------------------------------------------
+
+REGIMES = ("decode", "batch", "prefill")
+BATCH_ROWS = 2      # from here on a call is "batch" (several sequences decoding at once)
+PREFILL_ROWS = 33   # and from here on "prefill"
+
+
+def regime_of(rows: int) -> str:
+    return "decode" if rows < BATCH_ROWS else "batch" if rows < PREFILL_ROWS else "prefill"
+
+
+class FastLinear(nn.Module):
+    """y = act(x W^T + b) with W stored in a WeightFormat and one chosen path per regime. Inference only."""
+
+    def __init__(self, fmt: WeightFormat, weight: torch.Tensor, bias: torch.Tensor | None,
+                 paths: dict[str, str], activation: str | None = None, dtype=torch.float32):
         super().__init__()
-        q, scales = quantize_per_channel(weight)
-        self.out_features, self.in_features = q.shape
-        self.register_buffer("weight_int8", q.to(weight.device))                           # (out, in)
-        self.register_buffer("scales", scales.to(device=weight.device, dtype=compute_dtype))  # (out,)
-        self.register_buffer("bias", None if bias is None else bias.detach().to(compute_dtype))
+        self.format, self.activation = fmt, activation
+        self.out_features, self.in_features = weight.shape
+        self.path_names = dict(paths)  # regime -> path name, for describe()
+        self.paths = {regime: fmt.paths[name] for regime, name in paths.items()}
+        self.tensors = fmt.pack(weight.detach().float(), None if bias is None else bias.detach().float())
+        for name, t in self.tensors.items():
+            if isinstance(t, torch.Tensor):
+                self.register_buffer(name, t, persistent=False)  # moves with the module; never saved
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype), persistent=False)
+        self.opaque = {name: t.obj for name, t in self.tensors.items() if isinstance(t, _Packed)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)  # (M, in)
-        if x2.size(0) >= PackedLinear.PREFILL_ROWS and x2.device.type == "cpu":
-            # Prefill: dequantize once and use the float32 GEMM, far faster than int8pack for many rows.
-            w = self.weight_int8.float() * self.scales.float()[:, None]
-            y = F.linear(x2.float(), w).to(x.dtype)
-        elif _int8pack_available(x2):
-            y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight_int8, self.scales.to(x.dtype))
-        else:
-            y = F.linear(x2, self.weight_int8.to(x.dtype)) * self.scales.to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.view(*shape[:-1], self.out_features)
+        x2 = x.reshape(-1, self.in_features).contiguous()  # (M, K); some kernels need contiguous rows
+        tensors = {name: self.opaque[name] if name in self.opaque else getattr(self, name) for name in self.tensors}
+        y = self.paths[regime_of(x2.size(0))](x2, tensors, self.bias, self.activation)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
+        fused = f", {self.activation} fused" if self.activation else ""
+        return (f"in={self.in_features}, out={self.out_features}, {self.format.precision} {self.format.name}{fused}, "
+                + ", ".join(f"{r}: {p}" for r, p in self.path_names.items()))
 
 
-class PackedLinear(nn.Module):
-    """A bf16 nn.Linear whose weight oneDNN has reordered once for fast CPU GEMV (decode).
+def linear_layers(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear, str | None]]:
+    """Every (parent, attribute, nn.Linear, fused activation) the inference formats replace.
 
-    For many rows (prefill) it multiplies in float32 instead: without AMX, PyTorch's bf16 GEMM runs
-    below MKL's float32 one (measured: BENCHMARKS.md), and upcasting a weight costs far less than
-    the GEMM. The result is rounded back to bf16 (it is the more accurate product).
+    c_fc takes GPT-2's tanh-GELU along when the MLP uses it (the MLP's act then becomes Identity).
     """
-
-    PREFILL_ROWS = 64  # from here on, the float32 GEMM wins
-
-    def __init__(self, linear_weight: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.out_features, self.in_features = linear_weight.shape
-        self.register_buffer("weight", linear_weight.detach())
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(linear_weight.detach(), 1))
-        self.register_buffer("bias", None if bias is None else bias.detach())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() >= self.PREFILL_ROWS * self.in_features:
-            bias = None if self.bias is None else self.bias.float()
-            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
-        return packed_linear(x, self.packed, self.bias)
-
-
-@torch.library.custom_op("gpt2::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """oneDNN's linear on a reordered weight, as an opaque op: torch.compile calls it as it is
-    (Inductor cannot lower the pre-packed op itself)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-@packed_linear.register_fake
-def _(x, packed, bias):
-    return x.new_empty(*x.shape[:-1], packed.shape[0])  # (..., out)
-
-
-def _replace_linears(model: nn.Module, make) -> nn.Module:
-    """Swap every nn.Linear in the blocks, and the lm_head, for make(weight, bias)."""
+    found = []
     for block in model.transformer.h:
-        for parent in (block.attn, block.mlp):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear):
-                    setattr(parent, name, make(child.weight, child.bias))
-    model.lm_head = make(model.lm_head.weight, None)  # its own copy; wte stays for the lookup
-    return model
+        gelu = model.config.activation_function in ("gelu_new", "gelu_pytorch_tanh")
+        found += [(block.attn, "c_attn", block.attn.c_attn, None), (block.attn, "c_proj", block.attn.c_proj, None),
+                  (block.mlp, "c_fc", block.mlp.c_fc, "gelu_tanh" if gelu else None),
+                  (block.mlp, "c_proj", block.mlp.c_proj, None)]
+    found.append((model, "lm_head", model.lm_head, None))
+    return found
 
 
 @torch.no_grad()
-def quantize_int8(model: nn.Module, compute_dtype=torch.bfloat16) -> nn.Module:
-    """In place: int8 weight-only linears; embeddings, LayerNorms and activations in compute_dtype."""
-    model.to(compute_dtype)
-    return _replace_linears(model, lambda w, b: QuantLinear(w, b, compute_dtype)).eval()
+def apply_plan(model: nn.Module, plan) -> nn.Module:
+    """In place: every linear becomes a FastLinear in the plan's format and paths (kernels.Plan)."""
+    dtype = compute_dtype(plan.precision)
+    model.to(dtype)
+    device_type = model.transformer.wte.weight.device.type
+    for parent, attr, linear, activation in linear_layers(model):
+        choice = plan.choice_for(linear.out_features, linear.in_features, activation)
+        fmt = format_named(plan.precision, choice.format, device_type)
+        setattr(parent, attr, FastLinear(fmt, linear.weight, linear.bias, choice.paths, activation, dtype))
+        if activation is not None:
+            parent.act = nn.Identity()
+    return model.eval()
 
 
-def can_pack_bf16(model: nn.Module) -> bool:
-    w = model.transformer.wte.weight
-    return (w.device.type == "cpu" and w.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-
-
-@torch.no_grad()
-def pack_bf16(model: nn.Module) -> nn.Module:
-    """In place, for bf16 models on CPU (a no-op elsewhere): oneDNN-packed linears. Inference only."""
-    if not can_pack_bf16(model):
-        return model
-    return _replace_linears(model, PackedLinear).eval()
-
-
-def load_for_inference(name_or_path, dtype: str = "float32", device=None):
-    """A model ready for generate: float32, bfloat16 (oneDNN-packed linears on CPU) or int8 weight-only."""
+def load_for_inference(name_or_path, dtype: str = "float32", device=None, verbose: bool = False):
+    """A model ready for generate, its linears in the kernels measured fastest here (kernels.py)."""
+    from gpt2.kernels import plan_for
     from gpt2.model import GPT
-    if dtype not in ("float32", "bfloat16", "int8"):
-        raise ConfigError(f"dtype {dtype!r} is not supported for generation; choose float32, bfloat16 or int8")
+    if dtype not in PRECISIONS:
+        raise ConfigError(f"dtype {dtype!r} is not supported for generation; choose {', '.join(PRECISIONS)}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if dtype == "int8":
-        return quantize_int8(GPT.from_pretrained(name_or_path, device=device, dtype=torch.float32))
-    model = GPT.from_pretrained(name_or_path, device=device, dtype=getattr(torch, dtype))
-    return pack_bf16(model) if dtype == "bfloat16" else model
+    model = GPT.from_pretrained(name_or_path, device=device, dtype=torch.float32)
+    plan = plan_for(model, dtype)
+    if verbose:
+        print(plan.describe(), flush=True)
+    return apply_plan(model, plan)

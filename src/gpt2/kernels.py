@@ -1,0 +1,329 @@
+"""Which kernel each linear layer uses on this machine: measured once, cached, shown by `gpt2 info --kernels`.
+
+    from gpt2.kernels import plan_for
+    plan = plan_for(model, "int8")   # first time on this machine: measures (seconds); then read from the cache
+    print(plan.describe())
+
+    gpt2 info --kernels gpt2 --dtype bfloat16      # the choice and the timings behind it
+    gpt2 generate --model gpt2 --dtype int4 --verbose "Hello"
+
+Nothing is assumed about the CPU. For each linear shape (out, in) of the model (GELU-fused or not)
+and the precision asked for, every weight format quantize.py offers is packed from a random weight,
+and each of its paths is
+  1. checked against the float64 product of the weights that format computes with (a path outside
+     its precision's rounding, as a kernel with a layout bug would be, is rejected), then
+  2. timed at 1 row (decode), 8 rows (batched decode) and 128 rows (prefill), keeping the fastest
+     of a few repeats (other work only adds time). Decode and batch rotate over enough copies of the
+     weight to exceed the last-level cache, so they read memory as a real model does; prefill is
+     bound by FLOPs and uses one copy.
+Per format, each regime takes its fastest path; the format kept is the one whose regimes are, summed,
+closest to the best of each (time / best time, added over the three regimes).
+
+Results are cached per CPU model and features, torch version, thread count and candidate list, in
+$XDG_CACHE_HOME/gpt2/kernels.json (default ~/.cache), written atomically. A corrupt or foreign file
+is ignored with one warning and measured again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from gpt2.atomic import atomic_write_json
+from gpt2.quantize import REGIMES, compute_dtype, formats_for, linear_layers
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = 1
+ROWS = {"decode": 1, "batch": 8, "prefill": 128}  # the rows each regime is timed at
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2 ** -7, "int8": 2 ** -7, "int4": 2 ** -7}  # relative, see _check
+REPEATS = 5
+FEATURE_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile")
+
+
+# ---------------------------------------------------------------------------------------------
+# the machine
+# ---------------------------------------------------------------------------------------------
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_features() -> list[str]:
+    """The CPU flags that decide kernels (bf16, VNNI, AMX), as /proc/cpuinfo lists them."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                return [f for f in FEATURE_FLAGS if f in flags]
+    except OSError:
+        pass
+    return []
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache (L3 usually), from sysfs; 64 MiB when it can't be read."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        unit = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * unit)
+    return max(sizes, default=64 * 1024 ** 2)
+
+
+def memory_bandwidth_gbs(megabytes: int = 512) -> float:
+    """Read bandwidth of a plain sum over a buffer far larger than the caches, in GB/s (best of 5)."""
+    x = torch.ones(megabytes * 1024 ** 2 // 4)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(5))
+    return x.numel() * 4 / best / 1e9
+
+
+def machine_key() -> dict:
+    return {"cpu": cpu_model(), "features": cpu_features(), "torch": torch.__version__,
+            "threads": torch.get_num_threads()}
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan: one choice per linear shape
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Choice:
+    format: str
+    paths: dict[str, str]                                # regime -> path
+    timings_us: dict[str, dict[str, dict[str, float]]]   # format -> path -> regime -> microseconds
+    rejected: dict[str, str] = field(default_factory=dict)  # "format/path" -> why
+
+
+@dataclass
+class Plan:
+    precision: str
+    machine: dict
+    choices: dict[str, Choice]   # shape_key -> choice
+    source: str = "measured"     # or "cache"
+
+    def choice_for(self, out_features: int, in_features: int, activation: str | None) -> Choice:
+        return self.choices[shape_key(out_features, in_features, activation)]
+
+    def choices_dict(self) -> dict:
+        return {"machine": self.machine, "source": self.source,
+                "choices": {k: {"format": c.format, "paths": c.paths, "timings_us": c.timings_us,
+                                "rejected": c.rejected} for k, c in self.choices.items()}}
+
+    def describe(self) -> str:
+        m = self.machine
+        lines = [f"kernels for {self.precision} on {m['cpu']} ({', '.join(m['features']) or 'no bf16/VNNI/AMX flags'}; "
+                 f"torch {m['torch']}, {m['threads']} threads), {self.source}:"]
+        for key, c in self.choices.items():
+            lines.append(f"  {key}: {c.format}  " + "  ".join(f"{r}={c.paths[r]}" for r in REGIMES))
+            for fmt, paths in c.timings_us.items():
+                for path, t in paths.items():
+                    lines.append(f"      {fmt:>18} / {path:<13} " + "  ".join(
+                        f"{r} {t[r]:8.1f} us" if r in t else f"{r} {'-':>8}   " for r in REGIMES))
+            for what, why in c.rejected.items():
+                lines.append(f"      rejected {what}: {why}")
+        return "\n".join(lines)
+
+
+def shape_key(out_features: int, in_features: int, activation: str | None) -> str:
+    return f"{out_features}x{in_features}" + (f"+{activation}" if activation else "")
+
+
+def default_cache_path() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpt2" / "kernels.json"
+
+
+def plan_for(model, precision: str, device_type: str | None = None, cache_path: Path | None = None) -> Plan:
+    """The kernels for every linear of `model` at `precision`: cached choices, measuring what is missing.
+
+    Only the model's shapes are read (a model on the meta device will do, with device_type="cpu").
+    """
+    device_type = device_type or model.transformer.wte.weight.device.type
+    shapes = {shape_key(l.out_features, l.in_features, act): (l.out_features, l.in_features, act)
+              for _, _, l, act in linear_layers(model)}
+    if device_type != "cpu":  # one format per precision off the CPU: nothing to measure
+        fmt = formats_for(precision, device_type)[0]
+        path = next(iter(fmt.paths))
+        return Plan(precision, {"cpu": device_type, "features": [], "torch": torch.__version__, "threads": 0},
+                    {k: Choice(fmt.name, {r: path for r in REGIMES}, {}) for k in shapes}, "fixed")
+    machine = machine_key()
+    machine["candidates"] = [f"{f.name}/{p}" for f in formats_for(precision, "cpu") for p in f.paths]
+    cache_path = cache_path or default_cache_path()
+    entries = _read_cache(cache_path)
+    prefix = json.dumps(machine, sort_keys=True) + f"|{precision}|"
+    choices, missing = {}, []
+    for key in shapes:
+        if prefix + key in entries:
+            choices[key] = Choice(**entries[prefix + key])
+        else:
+            missing.append(key)
+    for key in missing:
+        choices[key] = measure_shape(precision, *shapes[key])
+        entries[prefix + key] = asdict(choices[key])
+    if missing:
+        try:
+            cache_path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(cache_path, {"version": CACHE_VERSION, "entries": entries})
+        except OSError as e:  # a read-only home still runs; it measures again next time
+            log.warning("could not write the kernel cache %s: %s", cache_path, e)
+    return Plan(precision, machine, choices, "measured" if missing else "cache")
+
+
+def _read_cache(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") != CACHE_VERSION or not isinstance(data.get("entries"), dict):
+            raise ValueError(f"not a version-{CACHE_VERSION} kernel cache")
+        for entry in data["entries"].values():
+            Choice(**entry)  # every entry must have the fields of a Choice
+        return data["entries"]
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        log.warning("ignoring the kernel cache %s (%s); measuring again", path, e)
+        return {}
+
+
+# ---------------------------------------------------------------------------------------------
+# measuring one shape
+# ---------------------------------------------------------------------------------------------
+
+@torch.inference_mode()
+def measure_shape(precision: str, out_features: int, in_features: int, activation: str | None) -> Choice:
+    """Check and time every format and path for one linear shape; keep the best format (see the docstring)."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(out_features, in_features, generator=gen) * 0.02
+    bias = torch.randn(out_features, generator=gen) * 0.02
+    dtype = compute_dtype(precision)
+    inputs = {r: torch.randn(n, in_features, generator=gen).to(dtype) for r, n in ROWS.items()}
+    timings, rejected = {}, {}
+    for fmt in formats_for(precision, "cpu"):
+        try:
+            tensors = fmt.pack(w, bias)
+        except RuntimeError as e:
+            rejected[fmt.name] = f"pack failed: {str(e).splitlines()[0][:120]}"
+            continue
+        reference = fmt.reference_weight(w, tensors)
+        copies = _copies(fmt, w, bias, tensors)
+        b = bias.to(dtype)
+        for name, path in fmt.paths.items():
+            regimes = ("decode",) if name in fmt.dynamic_paths else REGIMES
+            why = _check(path, tensors, b, activation, reference, bias, inputs, regimes, precision,
+                         name in fmt.dynamic_paths)
+            if why:
+                rejected[f"{fmt.name}/{name}"] = why
+                continue
+            timings.setdefault(fmt.name, {})[name] = {
+                r: _time_path(path, copies if r != "prefill" else copies[:1], b, activation, inputs[r],
+                              _best(timings, r)) * 1e6
+                for r in regimes}
+    if not timings:
+        raise RuntimeError(f"no {precision} kernel passed its check for {out_features}x{in_features}: {rejected}")
+    return _choose(timings, rejected)
+
+
+def _copies(fmt, w, bias, tensors) -> list[dict]:
+    """Enough packed copies of one weight to span twice the last-level cache (decode reads memory)."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor))
+    n = max(1, min(64, math.ceil(2 * last_level_cache_bytes() / max(nbytes, 1))))
+    return [tensors] + [fmt.pack(w, bias) for _ in range(n - 1)]
+
+
+def _unwrap(tensors: dict) -> dict:
+    return {k: getattr(v, "obj", v) for k, v in tensors.items()}
+
+
+def _check(path, tensors, b, activation, reference, bias, inputs, regimes, precision, dynamic) -> str | None:
+    """None if the path computes act(x W^T + b) within its precision's rounding at each regime's rows.
+
+    The bound, per output: tol * (|x| @ |W|^T + |b|), plus for dynamically quantized activations half
+    a quantization step of x (max|x| / 127 / 2) times sum_k |W|. The reference is float64.
+    """
+    t = _unwrap(tensors)
+    for r in regimes:
+        x = inputs[r]
+        try:
+            y = path(x, t, b, activation).double()
+        except (RuntimeError, NotImplementedError) as e:
+            return f"fails at {x.size(0)} rows: {str(e).splitlines()[0][:120]}"
+        xd = x.double()
+        exact = xd @ reference.t() + bias.to(b.dtype).double()
+        bound = TOLERANCE[precision] * (xd.abs() @ reference.abs().t() + bias.double().abs())
+        if dynamic:
+            bound = bound + xd.abs().amax() / 254 * reference.abs().sum(1)
+        if activation is not None:
+            exact = torch.nn.functional.gelu(exact, approximate="tanh")  # GELU's slope is within [-0.17, 1.13]
+            bound = 1.13 * bound + TOLERANCE[precision] * exact.abs()
+        if y.shape != exact.shape:
+            return f"wrong shape {tuple(y.shape)} at {x.size(0)} rows"
+        excess = ((y - exact).abs() - bound - 1e-6).max().item()
+        if not math.isfinite(excess) or excess > 0:
+            return f"outside its rounding at {x.size(0)} rows (max excess {excess:.3g})"
+    return None
+
+
+def _best(timings: dict, regime: str) -> float:
+    """The fastest time (seconds) measured so far for a regime; inf before the first."""
+    return min((t[regime] / 1e6 for paths in timings.values() for t in paths.values() if regime in t),
+               default=math.inf)
+
+
+def _time_path(path, copies: list[dict], b, activation, x, best_so_far: float = math.inf) -> float:
+    """The fastest of a few repeats of the mean time per call, each repeat one call per copy.
+
+    The minimum, not the median: other work on the machine only ever adds time, so the fastest repeat
+    is the best estimate of the kernel's own cost. Repeats stop early once they take long, and after
+    one when that one is 3x slower than the best path so far (it can't win).
+    """
+    unwrapped = [_unwrap(c) for c in copies]
+    for t in unwrapped:  # warm up: oneDNN primitive caches, first use of each copy
+        path(x, t, b, activation)
+    samples, spent = [], 0.0
+    while len(samples) < REPEATS and (len(samples) < 2 or spent < 0.05):
+        start = time.perf_counter()
+        for t in unwrapped:
+            path(x, t, b, activation)
+        elapsed = time.perf_counter() - start
+        spent += elapsed
+        samples.append(elapsed / len(unwrapped))
+        if samples[-1] > 3 * best_so_far:
+            break
+    return min(samples)
+
+
+def _choose(timings: dict, rejected: dict) -> Choice:
+    best = {r: min(t[r] for paths in timings.values() for t in paths.values() if r in t) for r in REGIMES}
+
+    def fastest(fmt: str, regime: str) -> str:
+        return min((p for p, t in timings[fmt].items() if regime in t), key=lambda p: timings[fmt][p][regime])
+
+    def score(fmt: str) -> float:
+        return sum(timings[fmt][fastest(fmt, r)][r] / best[r] for r in REGIMES)
+
+    covering = [f for f in timings if all(any(r in t for t in timings[f].values()) for r in REGIMES)]
+    chosen = min(covering, key=score)
+    return Choice(chosen, {r: fastest(chosen, r) for r in REGIMES}, timings, rejected)

@@ -1,0 +1,226 @@
+"""Tests for the inference weight formats (quantize.py) and the measured kernel choice (kernels.py).
+
+    .venv/bin/pytest tests/test_kernels.py -q
+
+References: F.linear on the float32 weight for every float32 path (within 1e-5); for quantized paths,
+a float64 product with weights dequantized here, independently of quantize.py's own reference
+(within the rounding of the precision); the uncached `generate_naive` token for token at every precision.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpt2 import GPT, GPTConfig
+from gpt2.engine import generate, generate_naive
+from gpt2.quantize import (CPU_FORMATS, INT4_GROUP, PRECISIONS, FastLinear, apply_plan, formats_for,
+                           quantize_int4_groups, quantize_per_channel)
+from gpt2 import kernels
+
+
+@pytest.fixture(autouse=True)
+def kernel_cache(tmp_path, monkeypatch):
+    """Every test measures into its own cache file, never the user's."""
+    path = tmp_path / "kernels.json"
+    monkeypatch.setattr(kernels, "default_cache_path", lambda: path)
+    return path
+
+
+CONFIG = GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=300, n_positions=96)  # 300: not a multiple of 16
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [12, 13], [201, 2, 2, 40]]
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    model = GPT(CONFIG).eval()
+    with torch.no_grad():  # wider logits than the 0.02 init: greedy decoding has no near-ties
+        for p in model.parameters():
+            p.mul_(8) if p.dim() == 2 else None
+    return model
+
+
+def dequantized(precision: str, w: torch.Tensor) -> torch.Tensor:
+    """The weights a quantized format computes with, in float64, from the quantizers' outputs."""
+    if precision == "int8":
+        q, s = quantize_per_channel(w)
+        return q.double() * s.double()[:, None]
+    q, sz = quantize_int4_groups(w)
+    sz = sz.to(torch.bfloat16).double()  # the kernels read scales and zeros in bf16
+    N, K = w.shape
+    s = sz[..., 0].t().repeat_interleave(INT4_GROUP, dim=1)  # (N, K)
+    z = sz[..., 1].t().repeat_interleave(INT4_GROUP, dim=1)
+    return (q.double() - 8) * s + z
+
+
+# --- quantizers ------------------------------------------------------------------------------
+
+def test_int8_per_channel_error_is_half_a_step():
+    w = torch.randn(64, 48) * torch.linspace(0.01, 3, 64)[:, None]  # very different row scales
+    q, s = quantize_per_channel(w)
+    assert q.dtype == torch.int8 and s.shape == (64,)
+    assert ((q.float() * s[:, None] - w).abs() <= s[:, None] / 2 + 1e-6).all()
+
+
+def test_int4_groups_error_is_half_a_step():
+    w = torch.randn(40, 4 * INT4_GROUP) * torch.linspace(0.01, 3, 40)[:, None]
+    q, sz = quantize_int4_groups(w)
+    assert q.min() >= 0 and q.max() <= 15 and sz.shape == (4, 40, 2)
+    step = sz[..., 0].t().repeat_interleave(INT4_GROUP, dim=1)  # (N, K)
+    exact = (q.float() - 8) * step + sz[..., 1].t().repeat_interleave(INT4_GROUP, dim=1)
+    assert ((exact - w).abs() <= step / 2 + 1e-5).all()
+
+
+# --- every path against its reference ---------------------------------------------------------
+
+ROWS = (1, 8, 40)  # decode, batch, prefill regimes
+
+
+@pytest.mark.parametrize("fmt", [f for f in CPU_FORMATS if f.available()], ids=lambda f: f"{f.precision}-{f.name}")
+@pytest.mark.parametrize("activation", [None, "gelu_tanh"])
+def test_every_path_matches_its_reference(fmt, activation):
+    torch.manual_seed(0)
+    N, K = 80, 64
+    w, b = torch.randn(N, K) * 0.1, torch.randn(N) * 0.1
+    tensors = {k: getattr(v, "obj", v) for k, v in fmt.pack(w, b).items()}
+    for name, path in fmt.paths.items():
+        for rows in (1,) if name in fmt.dynamic_paths else ROWS:
+            if fmt.precision == "float32":  # fused or packed float32: the plain product within 1e-5
+                x = torch.randn(rows, K)
+                ref = F.linear(x, w, b)
+                if activation:
+                    ref = F.gelu(ref, approximate="tanh")
+                out = path(x, tensors, b, activation)
+                torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=f"{name} at {rows} rows")
+                continue
+            x = torch.randn(rows, K).to(torch.bfloat16)
+            wq = w.double() if fmt.precision == "bfloat16" else dequantized(fmt.precision, w)
+            if fmt.precision == "bfloat16":
+                wq = w.to(torch.bfloat16).double()
+            bb = b.to(torch.bfloat16)
+            exact = x.double() @ wq.t() + bb.double()
+            # bf16 output rounding (2^-8 relative) of a sum of products; the dynamic path also rounds x
+            # to 255 levels of its max.
+            bound = 2 ** -7 * (x.double().abs() @ wq.abs().t() + bb.double().abs())
+            if name in fmt.dynamic_paths:
+                bound += x.double().abs().max() / 254 * wq.abs().sum(1)
+            if activation:
+                exact = F.gelu(exact, approximate="tanh")
+                bound = 1.13 * bound + 2 ** -7 * exact.abs()
+            out = path(x, tensors, bb, activation).double()
+            assert out.shape == exact.shape
+            excess = ((out - exact).abs() - bound).max().item()
+            assert excess <= 1e-6, f"{fmt.name}/{name} at {rows} rows: error exceeds the bound by {excess}"
+
+
+def test_int4_pads_an_output_width_that_is_not_a_multiple_of_16():
+    fmt = next(f for f in formats_for("int4") if f.name == "int4pack")
+    w = torch.randn(50, 64)
+    tensors = {k: getattr(v, "obj", v) for k, v in fmt.pack(w, None).items()}
+    out = fmt.paths["int4pack_mm"](torch.randn(3, 64).to(torch.bfloat16), tensors, None, None)
+    assert out.shape == (3, 50)
+
+
+# --- whole models ------------------------------------------------------------------------------
+
+def test_float32_plan_matches_the_plain_model():
+    model = tiny_model()
+    fast = apply_plan(tiny_model(), kernels.plan_for(model, "float32"))
+    assert all(isinstance(fast.transformer.h[0].mlp.c_fc, FastLinear) for _ in [0])
+    ids = torch.tensor([PROMPTS[0] * 8])  # 56 rows: the prefill regime; decode below
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(ids), model(ids), rtol=1e-5, atol=1e-5)
+    assert generate(fast, PROMPTS, max_new_tokens=20) == generate(model, PROMPTS, max_new_tokens=20)
+
+
+def assert_equal_up_to_bf16_ties(model, fast: list[list[int]], naive: list[list[int]]):
+    """Rows agree token for token, except that at a step where the two top logits are equal to within
+    bf16's rounding (2^-7 of the largest logit: bf16 keeps 8 bits), either token is right; the
+    rows may then go apart, and are compared no further. Any other difference is a bug."""
+    for row, (a, b) in enumerate(zip(fast, naive)):
+        t = next((i for i, (u, v) in enumerate(zip(a, b)) if u != v), None)
+        if t is None:
+            assert len(a) == len(b), row
+            continue
+        with torch.inference_mode():
+            logits = model(torch.tensor([PROMPTS[row] + b[:t]]))[0, -1].double()
+        gap = (logits[b[t]] - logits[a[t]]).abs().item()
+        assert gap <= 2 ** -7 * logits.abs().max().item(), (
+            f"row {row} step {t}: cached {a[t]} vs naive {b[t]}, logits {gap:.4g} apart: not a bf16 tie")
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_cached_generation_equals_naive_at_every_precision(precision):
+    model = apply_plan(tiny_model(), kernels.plan_for(tiny_model(), precision))
+    fast, naive = generate(model, PROMPTS, max_new_tokens=16), generate_naive(model, PROMPTS, max_new_tokens=16)
+    if precision == "float32":
+        assert fast == naive
+        sampled = dict(temperature=0.9, top_k=50, seed=[3, 4, 5])
+        assert generate(model, PROMPTS, max_new_tokens=16, **sampled) == generate_naive(
+            model, PROMPTS, max_new_tokens=16, **sampled)
+    else:  # bf16 logits: the cached path (1-3 rows) and the naive one (all rows) round differently
+        assert_equal_up_to_bf16_ties(model, fast, naive)
+
+
+@pytest.mark.parametrize("precision,agreement", [("bfloat16", 0.9), ("int8", 0.9), ("int4", 0.6)])
+def test_quantized_logits_track_float32(precision, agreement):
+    ref_model = tiny_model()
+    model = apply_plan(tiny_model(), kernels.plan_for(ref_model, precision))
+    ids = torch.tensor([(PROMPTS[0] * 12)[:80]])
+    with torch.inference_mode():
+        ref, out = ref_model(ids), model(ids).float()
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= agreement
+
+
+# --- the cache -----------------------------------------------------------------------------------
+
+def test_plan_is_measured_once_then_read_from_the_cache(kernel_cache):
+    model = tiny_model()
+    first = kernels.plan_for(model, "bfloat16")
+    assert first.source == "measured" and kernel_cache.exists()
+    second = kernels.plan_for(model, "bfloat16")
+    assert second.source == "cache" and second.choices == first.choices
+    text = second.describe()
+    for key, choice in first.choices.items():
+        assert key in text and choice.format in text
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 999, "entries": {}}),
+                                     json.dumps({"version": kernels.CACHE_VERSION, "entries": {"k": {"x": 1}}}),
+                                     json.dumps([1, 2])])
+def test_a_corrupt_or_foreign_cache_is_ignored_with_one_warning(kernel_cache, content, caplog):
+    kernel_cache.write_text(content)
+    with caplog.at_level(logging.WARNING, logger="gpt2.kernels"):
+        plan = kernels.plan_for(tiny_model(), "float32")
+    assert plan.source == "measured"
+    assert len([r for r in caplog.records if "ignoring the kernel cache" in r.getMessage()]) == 1
+    assert kernels.plan_for(tiny_model(), "float32").source == "cache"  # rewritten whole
+
+
+def test_choice_takes_the_format_nearest_the_best_of_each_regime():
+    timings = {"a": {"p": {"decode": 10.0, "batch": 50.0, "prefill": 100.0}},
+               "b": {"p": {"decode": 12.0, "batch": 20.0, "prefill": 100.0},
+                     "q": {"decode": 11.0, "batch": 90.0, "prefill": 300.0}}}
+    choice = kernels._choose(timings, {})
+    assert choice.format == "b" and choice.paths == {"decode": "q", "batch": "p", "prefill": "p"}
+
+
+def test_a_path_outside_its_rounding_is_rejected(monkeypatch):
+    from gpt2 import quantize
+    broken = quantize.WeightFormat("broken", "float32", lambda w, b: {"weight": w}, lambda w, t: w.double(),
+                                   {"off by one": lambda x, t, b, a: F.linear(x, t["weight"], b) + 1})
+    monkeypatch.setattr(quantize, "CPU_FORMATS", quantize.CPU_FORMATS + [broken])
+    choice = kernels.measure_shape("float32", 32, 64, None)
+    assert "broken/off by one" in choice.rejected and choice.format != "broken"
+
+
+@pytest.mark.slow
+def test_info_kernels_prints_the_plan(capsys):
+    from gpt2.cli import main
+    assert main(["info", "gpt2", "--kernels", "--kernels-dtype", "int8"]) == 0
+    out = capsys.readouterr().out
+    assert "kernels for int8" in out and "768x3072" in out and "50257x768" in out
