@@ -83,10 +83,12 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     """Nucleus: drop the tokens outside the smallest set whose probability mass reaches p."""
     if p >= 1.0:
         return logits
-    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    drop = cum - sorted_logits.softmax(dim=-1) >= p  # mass before this token already reaches p
-    drop[:, 0] = False  # always keep the most likely token
+    # Summed from the least likely token up, the tail's mass is small numbers added first, so float32
+    # rounding cannot push it across 1 - p the way a cumulative sum from the top (~1) does.
+    sorted_logits, order = torch.sort(logits, descending=False, dim=-1)
+    tail_mass = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # (B, V): mass of this token and all below
+    drop = tail_mass <= 1 - p
+    drop[:, -1] = False  # always keep the most likely token
     return logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
 
 
