@@ -1,6 +1,7 @@
 # make demo   set up (venv, dependencies, data) and run the main job on the embedded default
 # make test   set up and run the whole test suite
-# make bench  set up and run the side-by-side benchmarks (see BENCHMARKS.md)
+# make bench  set up and run the side-by-side benchmarks (see BENCHMARKS.md); builds llama.cpp once
+# make bench-cpu   just the CPU inference benchmark: ours vs llama.cpp vs Transformers
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -8,7 +9,11 @@ PY := $(VENV)/bin/python
 GPT2 := $(VENV)/bin/gpt2
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+BENCH_VENV := .bench-venv
+BENCH_STAMP := $(BENCH_VENV)/.installed
+LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
+
+.PHONY: setup demo test bench bench-cpu clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -30,8 +35,24 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-bench: $(STAMP)
+# The benchmark venv: llama-cpp-python compiled from source (~6 min on 2 cores, once), and llama.cpp's
+# GGUF converter (convert_hf_to_gguf.py, gguf-py) unpacked from the same sdist. Never used by tests.
+$(BENCH_STAMP): Makefile
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install -q --disable-pip-version-check $(LLAMA_CPP_PYTHON) numpy
+	rm -rf $(BENCH_VENV)/sdist $(BENCH_VENV)/llama.cpp && mkdir -p $(BENCH_VENV)/sdist $(BENCH_VENV)/llama.cpp
+	$(BENCH_VENV)/bin/pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
+		$(LLAMA_CPP_PYTHON) -d $(BENCH_VENV)/sdist
+	tar xzf $(BENCH_VENV)/sdist/*.tar.gz -C $(BENCH_VENV)/llama.cpp --strip-components=3 \
+		--wildcards '*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/gguf-py' \
+		'*/vendor/llama.cpp/conversion'
+	touch $(BENCH_STAMP)
+
+bench: $(STAMP) $(BENCH_STAMP)
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
+bench-cpu: $(STAMP) $(BENCH_STAMP)
+	$(PY) benchmarks/bench_cpu_inference.py --rounds 3
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache

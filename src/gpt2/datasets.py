@@ -44,7 +44,9 @@ def fetch(name: str, cache_dir: str | os.PathLike | None = None) -> tuple[list[P
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gpt2"
+    """This package's user cache: $XDG_CACHE_HOME/gpt2 (unset or empty: ~/.cache/gpt2). Datasets and the
+    kernel choices (kernels.py) live under it."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpt2"
 
 
 def sha256_file(path: Path) -> str:

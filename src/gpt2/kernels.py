@@ -4,7 +4,7 @@
     plan = plan_for(model, "int8")   # first time on this machine: measures (seconds); then read from the cache
     print(plan.describe())
 
-    gpt2 info --kernels gpt2 --dtype bfloat16      # the choice and the timings behind it
+    gpt2 info --kernels gpt2 --kernels-dtype bfloat16   # the choice and the timings behind it
     gpt2 generate --model gpt2 --dtype int4 --verbose "Hello"
 
 Nothing is assumed about the CPU. For each linear shape (out, in) of the model (GELU-fused or not)
@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
@@ -154,7 +153,8 @@ def shape_key(out_features: int, in_features: int, activation: str | None) -> st
 
 
 def default_cache_path() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpt2" / "kernels.json"
+    from gpt2.datasets import default_cache_dir
+    return default_cache_dir() / "kernels.json"
 
 
 def plan_for(model, precision: str, device_type: str | None = None, cache_path: Path | None = None) -> Plan:

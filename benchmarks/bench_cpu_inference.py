@@ -1,0 +1,344 @@
+"""CPU inference side by side: ours (float32, bfloat16, int8, int4), llama.cpp (F32, BF16, Q8_0, Q4_0), Transformers.
+
+    make bench-cpu                                       # 124M, 3 rounds (builds llama.cpp once, ~6 min)
+    .bench-venv/bin/python ...  is not needed: run it with the project venv:
+    .venv/bin/python benchmarks/bench_cpu_inference.py --rounds 3
+    .venv/bin/python benchmarks/bench_cpu_inference.py --preset gpt2-xl --rounds 1 --decode-steps 32 --no-hf
+    .venv/bin/python benchmarks/bench_cpu_inference.py --quality runs/quickstart --data data/shakespeare
+
+Every contender runs in its own subprocess (a fresh process: no allocator or thread-pool state
+carried over), one after another, in an order rotated every round; the table gives medians over
+rounds. Weights are random (speed does not depend on them), GPT-2's shapes.
+  decode   a 16-token prompt, then N greedy steps; tok/s over the steps only (the prefill not counted)
+  prefill  one 512-token forward keeping the last position's logits; tok/s = 512 / time
+  batch 8  8 prompts decoded together (ours only): tok/s = 8 N / time over the steps
+  roofline weight bytes a decode step reads / the measured memory bandwidth: the ceiling; % of it
+
+--quality RUN: a trained model (the quickstart `make demo` trains), its perplexity on the val split at
+each precision, ours and llama.cpp's (logits_all=True over the same tokens, on GGUFs of the same
+model), the increase over float32, and top-1 agreement with that tool's float32.
+
+llama.cpp comes from llama-cpp-python, built from source in the benchmark venv `.bench-venv` (make
+bench-cpu makes it); GGUFs are written by llama.cpp's convert_hf_to_gguf.py from that sdist, Q4_0 by
+llama_cpp.llama_model_quantize.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH_VENV = ROOT / ".bench-venv"
+CONVERTER = BENCH_VENV / "llama.cpp" / "convert_hf_to_gguf.py"
+OURS = {"float32": "float32", "bfloat16": "bfloat16", "int8": "int8", "int4": "int4"}
+LLAMA = {"float32": "F32", "bfloat16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
+# Bytes per weight a decode step reads: ours (int8: + a bf16 scale per row; int4: + bf16 scale and zero
+# per 32) and llama.cpp's block formats (Q8_0: 32 int8 + an f16 scale; Q4_0: 32 nibbles + an f16 scale).
+OURS_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.5 + 4 / 32}
+LLAMA_BYTES = {"float32": 4, "bfloat16": 2, "int8": 34 / 32, "int4": 18 / 32}
+PROMPT = [464 + 7 * i for i in range(16)]
+
+
+# ---------------------------------------------------------------------------------------------
+# workers: one contender in one process, printing one JSON line
+# ---------------------------------------------------------------------------------------------
+
+def worker_ours(args) -> dict:
+    import time
+
+    import torch
+
+    from gpt2.engine import stream
+    from gpt2.kv_cache import KVCache
+    from gpt2.quantize import load_for_inference
+    model = load_for_inference(args.model_dir, args.precision, "cpu")
+
+    def decode(batch: int) -> float:
+        prompts = [[(t + 31 * row) % 50000 for t in PROMPT] for row in range(batch)]
+        steps = stream(model, prompts, max_new_tokens=args.decode_steps + 1, ignore_eos=True)
+        next(steps)  # prefill and the first token: not counted
+        start = time.perf_counter()
+        for _ in steps:
+            pass
+        return batch * args.decode_steps / (time.perf_counter() - start)
+
+    def prefill() -> float:
+        ids = torch.arange(args.prefill).view(1, -1) % 50000
+        with torch.inference_mode():
+            cache = KVCache.for_model(model, 1, args.prefill)
+            start = time.perf_counter()
+            model(ids, cache=cache, last_logits_only=True)
+            return args.prefill / (time.perf_counter() - start)
+
+    decode(1)  # warm up: oneDNN primitive caches, first-touch pages
+    prefill()
+    return {"decode": decode(1), "prefill": max(prefill() for _ in range(2)), "batch8": decode(8)}
+
+
+def worker_hf(args) -> dict:
+    import time
+
+    import torch
+    import transformers
+    model = transformers.GPT2LMHeadModel.from_pretrained(args.model_dir, dtype=torch.float32).eval()
+
+    def decode() -> float:
+        with torch.inference_mode():
+            out = model(torch.tensor([PROMPT]), use_cache=True)
+            past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            start = time.perf_counter()
+            for _ in range(args.decode_steps):
+                out = model(tok, past_key_values=past, use_cache=True)
+                past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            return args.decode_steps / (time.perf_counter() - start)
+
+    def prefill() -> float:
+        ids = torch.arange(args.prefill).view(1, -1) % 50000
+        with torch.inference_mode():
+            start = time.perf_counter()
+            model(ids, use_cache=True, logits_to_keep=1)
+            return args.prefill / (time.perf_counter() - start)
+
+    decode()
+    prefill()
+    return {"decode": decode(), "prefill": max(prefill() for _ in range(2))}
+
+
+def worker_llama(args) -> dict:
+    import time
+
+    import numpy as np
+    from llama_cpp import Llama
+    threads = int(os.environ.get("BENCH_THREADS") or os.cpu_count())
+    llm = Llama(model_path=args.gguf, n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=threads,
+                n_threads_batch=threads, logits_all=False, verbose=False)
+
+    def decode() -> float:
+        llm.reset()
+        llm.eval(PROMPT)
+        start = time.perf_counter()
+        for _ in range(args.decode_steps):
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        return args.decode_steps / (time.perf_counter() - start)
+
+    def prefill() -> float:
+        llm.reset()
+        ids = [int(t) for t in np.arange(args.prefill) % 50000]
+        start = time.perf_counter()
+        llm.eval(ids)
+        return args.prefill / (time.perf_counter() - start)
+
+    decode()
+    prefill()
+    return {"decode": decode(), "prefill": max(prefill() for _ in range(2))}
+
+
+# ---------------------------------------------------------------------------------------------
+# quality workers: perplexity over fixed windows of the val split
+# ---------------------------------------------------------------------------------------------
+
+def quality_ours(args) -> dict:
+    import numpy as np
+    import torch
+
+    from gpt2.quantize import load_for_inference
+    model = load_for_inference(args.model_dir, args.precision, "cpu")
+    windows = np.load(args.windows)  # (W, T + 1)
+    nll, argmax = [], []
+    with torch.inference_mode():
+        for row in windows:
+            x = torch.from_numpy(row[:-1].astype(np.int64)).view(1, -1)
+            logp = torch.log_softmax(model(x)[0].double(), dim=-1)  # (T, V)
+            nll.append(-logp.gather(1, torch.from_numpy(row[1:].astype(np.int64)).view(-1, 1)).squeeze(1).numpy())
+            argmax.append(logp.argmax(-1).numpy())
+    return {"nll": float(np.concatenate(nll).mean()), "argmax": np.concatenate(argmax).tolist()}
+
+
+def quality_llama(args) -> dict:
+    import numpy as np
+    from llama_cpp import Llama
+    windows = np.load(args.windows)
+    T = windows.shape[1] - 1
+    llm = Llama(model_path=args.gguf, n_ctx=T, n_batch=T, n_ubatch=T, logits_all=True, verbose=False,
+                n_threads=os.cpu_count(), n_threads_batch=os.cpu_count())
+    nll, argmax = [], []
+    for row in windows:
+        llm.reset()
+        llm.eval([int(t) for t in row[:-1]])
+        logits = np.asarray(llm.scores[:T], dtype=np.float64)  # (T, V)
+        logz = logits.max(1) + np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1))
+        nll.append(logz - logits[np.arange(T), row[1:].astype(np.int64)])
+        argmax.append(logits.argmax(1))
+    return {"nll": float(np.concatenate(nll).mean()), "argmax": np.concatenate(argmax).tolist()}
+
+
+WORKERS = {"ours": worker_ours, "hf": worker_hf, "llama": worker_llama,
+           "quality-ours": quality_ours, "quality-llama": quality_llama}
+
+
+# ---------------------------------------------------------------------------------------------
+# the parent: models, GGUFs, rounds, the table
+# ---------------------------------------------------------------------------------------------
+
+def machine_report() -> float:
+    """Print the CPU, its flags and the memory bandwidth; return the bandwidth in bytes/s."""
+    from gpt2.kernels import cpu_features, cpu_model, memory_bandwidth_gbs
+    import torch
+    bandwidth = memory_bandwidth_gbs()
+    print(f"cpu: {cpu_model()}; {os.cpu_count()} cores; flags: {', '.join(cpu_features())}; "
+          f"no AMX" * (not any(f.startswith("amx") for f in cpu_features())))
+    print(f"memory read bandwidth: {bandwidth:.1f} GB/s (sum over 512 MiB, best of 5); torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    return bandwidth * 1e9
+
+
+def make_gguf(model_dir: Path, precision: str, out_dir: Path) -> Path:
+    """A GGUF of the HF directory: convert_hf_to_gguf.py for F32/BF16/Q8_0, llama_model_quantize for Q4_0."""
+    out = out_dir / f"model-{LLAMA[precision]}.gguf"
+    if out.exists():
+        return out
+    if precision == "int4":
+        f32 = make_gguf(model_dir, "float32", out_dir)
+        code = ("import llama_cpp, sys; p = llama_cpp.llama_model_quantize_default_params(); "
+                "p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0; "
+                "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))")
+        subprocess.run([str(BENCH_VENV / "bin/python"), "-c", code, str(f32), str(out)], check=True,
+                       capture_output=True)
+    else:
+        env = {**os.environ, "PYTHONPATH": str(CONVERTER.parent / "gguf-py")}
+        subprocess.run([sys.executable, str(CONVERTER), str(model_dir), "--outtype",
+                        {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0"}[precision], "--outfile", str(out)],
+                       check=True, capture_output=True, env=env)
+    return out
+
+
+def export_model(src: str | None, preset: str, out: Path) -> Path:
+    """An HF directory (with tokenizer files and the n_ctx the converter reads) of `src` or a random preset."""
+    import torch
+
+    from gpt2 import GPT, GPTConfig, Tokenizer
+    torch.manual_seed(0)
+    model = GPT.from_pretrained(src) if src else GPT(GPTConfig.preset(preset))
+    model.save_pretrained(str(out), tokenizer=Tokenizer.gpt2())
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "n_ctx": config["n_positions"]}))
+    return out
+
+
+def run_worker(kind: str, args, **extra) -> dict:
+    python = str(BENCH_VENV / "bin/python") if "llama" in kind else sys.executable
+    cmd = [python, __file__, "--worker", kind, "--decode-steps", str(args.decode_steps), "--prefill", str(args.prefill)]
+    for key, value in extra.items():
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{kind} {extra} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def speed(args, model_dir: Path, gguf_dir: Path, bandwidth: float, n_weights: int) -> None:
+    contenders = [("transformers fp32", "hf", {}, None)] * (not args.no_hf)
+    for p in args.precisions:
+        contenders.append((f"ours {p}", "ours", {"precision": p, "model_dir": model_dir}, OURS_BYTES[p]))
+        if not args.no_llama:
+            contenders.append((f"llama.cpp {LLAMA[p]}", "llama", {"gguf": make_gguf(model_dir, p, gguf_dir)},
+                               LLAMA_BYTES[p]))
+    results = {name: [] for name, *_ in contenders}
+    for r in range(args.rounds):
+        order = contenders[r % len(contenders):] + contenders[: r % len(contenders)]
+        for name, kind, extra, _ in order:
+            extra = {"model_dir": model_dir, **extra} if kind == "hf" else extra
+            results[name].append(run_worker(kind, args, **extra))
+            print(f"  round {r + 1}: {name}: {results[name][-1]}", flush=True)
+    print(f"\n| contender | decode b1 (tok/s) | % of roofline | prefill {args.prefill} (tok/s) | batch 8 (tok/s) "
+          f"| batch 8 / b1 | vs llama.cpp decode | vs llama.cpp prefill |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    med = {name: {k: statistics.median(run[k] for run in runs) for k in runs[0]} for name, runs in results.items()}
+    for name, kind, extra, bytes_per_weight in contenders:
+        m = med[name]
+        ceiling = bandwidth / (n_weights * bytes_per_weight) if bytes_per_weight else None
+        roof = f"{100 * m['decode'] / ceiling:.0f}% of {ceiling:.0f}" if ceiling else ""
+        b8 = f"{m['batch8']:.1f} | {m['batch8'] / m['decode']:.2f}x" if "batch8" in m else " | "
+        vs = " | "
+        if kind == "ours" and not args.no_llama:
+            peer = med[f"llama.cpp {LLAMA[extra['precision']]}"]
+            vs = f"{m['decode'] / peer['decode']:.2f}x | {m['prefill'] / peer['prefill']:.2f}x"
+        print(f"| {name} | {m['decode']:.1f} | {roof} | {m['prefill']:.0f} | {b8} | {vs} |")
+
+
+def quality(args, model_dir: Path, gguf_dir: Path) -> None:
+    import numpy as np
+
+    from gpt2.shards import load_split
+    config = json.loads((model_dir / "config.json").read_text())
+    T = config["n_positions"]
+    tokens = load_split(args.data, "val")
+    W = min(args.quality_windows, len(tokens) // (T + 1))
+    windows = np.stack([tokens[i * (T + 1): (i + 1) * (T + 1)] for i in range(W)]).astype(np.int32)
+    path = gguf_dir / "windows.npy"
+    np.save(path, windows)
+    print(f"\nquality: {W} windows x {T} tokens of {args.data} val ({W * T:,} predictions)")
+    print("| precision | ours ppl | ours Δ vs fp32 | ours top-1 vs fp32 | llama.cpp | llama.cpp ppl | "
+          "llama.cpp Δ vs F32 | llama.cpp top-1 vs F32 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    ours = {p: run_worker("quality-ours", args, precision=p, model_dir=model_dir, windows=path) for p in args.precisions}
+    peers = {p: run_worker("quality-llama", args, gguf=make_gguf(model_dir, p, gguf_dir), windows=path)
+             for p in args.precisions}
+    for p in args.precisions:
+        o, l = ours[p], peers[p]
+        agree = lambda a, b: np.mean(np.asarray(a["argmax"]) == np.asarray(b["argmax"]))
+        print(f"| {p} | {np.exp(o['nll']):.3f} | {np.exp(o['nll']) - np.exp(ours['float32']['nll']):+.3f} | "
+              f"{agree(o, ours['float32']):.2%} | {LLAMA[p]} | {np.exp(l['nll']):.3f} | "
+              f"{np.exp(l['nll']) - np.exp(peers['float32']['nll']):+.3f} | {agree(l, peers['float32']):.2%} |")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="gpt2")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--decode-steps", type=int, default=128)
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--precisions", nargs="+", default=list(OURS), choices=list(OURS))
+    ap.add_argument("--no-hf", action="store_true", help="skip Transformers")
+    ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp (no benchmark venv)")
+    ap.add_argument("--quality", metavar="MODEL", help="perplexity at each precision of this trained model")
+    ap.add_argument("--data", default="data/shakespeare", help="--quality: a `gpt2 prepare` output with a val split")
+    ap.add_argument("--quality-windows", type=int, default=64)
+    ap.add_argument("--workdir", default=None, help="keep the HF directory and GGUFs here (default: a temp dir)")
+    ap.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
+    ap.add_argument("--precision", help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--gguf", help=argparse.SUPPRESS)
+    ap.add_argument("--windows", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(WORKERS[args.worker](args)))
+        return
+    if not args.no_llama and not (BENCH_VENV / "bin/python").exists():
+        sys.exit("no benchmark venv: run `make bench-cpu` (it builds llama-cpp-python into .bench-venv), or pass --no-llama")
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_cpu_"))
+    work.mkdir(parents=True, exist_ok=True)
+    bandwidth = machine_report()
+    model_dir = export_model(args.quality, args.preset, work / "hf") if not (work / "hf" / "config.json").exists() \
+        else work / "hf"
+    if args.quality:
+        quality(args, model_dir, work)
+        return
+    config = json.loads((model_dir / "config.json").read_text())
+    C, L, V = config["n_embd"], config["n_layer"], config["vocab_size"]
+    n_weights = L * 12 * C * C + V * C  # the linears a decode step reads (lm_head included), biases aside
+    print(f"model: {args.preset} (random weights), {n_weights / 1e6:.1f}M weights read per decode token; "
+          f"decode: 16-token prompt + {args.decode_steps} steps; prefill {args.prefill}")
+    speed(args, model_dir, work, bandwidth, n_weights)
+
+
+if __name__ == "__main__":
+    main()
