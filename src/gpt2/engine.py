@@ -206,35 +206,30 @@ def static_capacity(needed: int, n_positions: int, multiple: int = 64) -> int:
 
 
 class _SlotCache:
-    """What the attention layers see during a static decode step: `update` writes the new k, v at a
-    position held in a tensor (not a Python int, which torch.compile would bake into the graph) and
-    returns every slot of the cache; the step's mask hides the slots not yet written."""
+    """The cache as a compiled decode step sees it: its position `pos` is a (1,) tensor (a Python int
+    would be baked into the graph), `update` writes the new k, v at that slot and returns every slot;
+    GPT.forward's causal mask then hides the slots not yet written. StaticDecode moves the position,
+    outside the graph, so `advance` here does nothing."""
 
     def __init__(self, cache: KVCache, slot: torch.Tensor):
-        self.cache, self.slot = cache, slot  # slot (1,) int64
+        self.cache, self.pos, self.capacity = cache, slot, cache.capacity  # slot (1,) int64
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        self.cache.k[layer].index_copy_(2, self.slot, k)  # k, v (B, nh, 1, hs) into (B, nh, capacity, hs)
-        self.cache.v[layer].index_copy_(2, self.slot, v)
+        self.cache.k[layer].index_copy_(2, self.pos, k)  # k, v (B, nh, 1, hs) into (B, nh, capacity, hs)
+        self.cache.v[layer].index_copy_(2, self.pos, v)
         return self.cache.k[layer], self.cache.v[layer]
+
+    def advance(self, num_positions: int) -> None:
+        pass
 
 
 def decode_step(model, ids, positions, slot, keys, cache: KVCache) -> torch.Tensor:
-    """One decode step whose shapes never change: logits (B, V) for ids (B, 1).
+    """One decode step whose shapes never change: logits (B, V) for ids (B, 1), through GPT.forward.
 
     positions (B, 1): each row's position id; slot (1,): the cache slot this step writes;
-    keys (B, capacity) bool: False on left padding. The blocks are the model's own modules; only the
-    cache view and the (B, 1, 1, capacity) mask differ from GPT.forward's decode.
+    keys (B, capacity) bool: False on left padding.
     """
-    capacity = keys.size(1)
-    written = torch.arange(capacity, device=keys.device) <= slot  # (capacity,): slots [0, slot]
-    mask = (keys & written).view(keys.size(0), 1, 1, capacity)
-    view = _SlotCache(cache, slot)
-    x = model.transformer.wte(ids) + model.transformer.wpe(positions)  # (B, 1, C); dropout is off
-    for block in model.transformer.h:
-        x = block(x, view, mask)
-    x = model.transformer.ln_f(x)
-    return model.lm_head(x)[:, -1, : model.config.vocab_size]  # (B, V)
+    return model(ids, cache=_SlotCache(cache, slot), attention_mask=keys, position_ids=positions)[:, -1]
 
 
 _compiled_decode_step = None

@@ -13,7 +13,7 @@ It presents GPT-2 as the seeds do: each operation with its formula, its input an
 named axes ([B batch, 12 heads, T queries, T keys]), its parameter tensors, whether it acts only in
 training, plus its forward FLOPs and the bytes of its output. The sheet is built from the model's
 real module tree (parameter tensors and counts come from the nn.Parameters; the attention mask from
-GPT._attention_mask); tests/test_inspect.py runs real forwards with hooks in all four modes and
+GPT.attention_mask_for); tests/test_inspect.py runs real forwards with hooks in all four modes and
 checks every shape listed here against the shape observed.
 
 The four modes are the four ways GPT.forward is called:
@@ -254,7 +254,7 @@ def _embedding_ops(sheet: _OpList) -> None:
 
 def _mask(model: nn.Module, ax: _Axes) -> tuple[list, str]:
     """(shape, note) of the attention mask the real model builds: None from it means plain causal."""
-    mask = type(model)._attention_mask(None, ax.P, ax.T, "meta")
+    mask = type(model).attention_mask_for(None, ax.P, ax.T, "meta")
     shape = [ax.queries, ax.keys] if mask is None else [("1", 1), ("1", 1), ax.queries, ax.keys]
     note = ""
     if ax.mode == "decode":

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gpt2.config import GPTConfig
+from gpt2.config import ACTIVATIONS, GPTConfig
 from gpt2.errors import ContextLengthError
 from gpt2.kv_cache import KVCache
 
@@ -44,6 +44,9 @@ ACTIVATION_FUNCTIONS = {
     "gelu": F.gelu,
     "relu": F.relu,
 }
+if set(ACTIVATION_FUNCTIONS) != set(ACTIVATIONS):  # config.ACTIVATIONS is the one list of names
+    raise RuntimeError(f"model.ACTIVATION_FUNCTIONS covers {sorted(ACTIVATION_FUNCTIONS)}, "
+                       f"config.ACTIVATIONS lists {sorted(ACTIVATIONS)}")
 
 
 class CausalSelfAttention(nn.Module):
@@ -224,8 +227,11 @@ class GPT(nn.Module):
         last_logits_only: compute the lm_head for the last position only (prefill): logits (B, 1, V).
         """
         B, T = idx.shape
+        # past: positions already cached. A compiled decode step's cache holds it in a tensor (engine.py),
+        # so that one graph serves every step; its queries then attend over the cache's whole capacity.
         past = cache.pos if cache is not None else 0
-        if past + T > self.config.n_positions:
+        static = torch.is_tensor(past)
+        if not static and past + T > self.config.n_positions:
             raise ContextLengthError(
                 f"sequence of {past + T} tokens exceeds the context length of {self.config.n_positions}")
         if position_ids is None:
@@ -233,11 +239,12 @@ class GPT(nn.Module):
                 position_ids = attention_mask.long().cumsum(-1) - 1
                 position_ids = position_ids.masked_fill(attention_mask == 0, 1)[:, -T:]  # (B, T)
             else:
-                position_ids = torch.arange(past, past + T, device=idx.device).unsqueeze(0)  # (1, T)
+                position_ids = (past + torch.arange(T, device=idx.device)).unsqueeze(0)  # (1, T)
 
         x = self.transformer.wte(idx) + self.transformer.wpe(position_ids)  # (B, T, C)
         x = self.transformer.drop(x)
-        mask = self._attention_mask(attention_mask, past, T, idx.device)
+        keys = cache.capacity if static else past + T
+        mask = self.attention_mask_for(attention_mask, past, T, idx.device, keys)
         for block in self.transformer.h:
             x = block(x, cache, mask)
         if cache is not None:
@@ -252,12 +259,16 @@ class GPT(nn.Module):
                                      targets.reshape(B * T))
 
     @staticmethod
-    def _attention_mask(attention_mask, past: int, T: int, device) -> torch.Tensor | None:
-        """None for plain causal attention from position 0; else a boolean (B or 1, 1, T, past + T)."""
-        if attention_mask is None and (past == 0 or T == 1):
+    def attention_mask_for(attention_mask, past, T: int, device, keys: int | None = None) -> torch.Tensor | None:
+        """None for plain causal attention from position 0; else a boolean (B or 1, 1, T, S).
+
+        S = keys, by default past + T. past is an int, or a (1,) tensor for a compiled step whose S is
+        the cache's capacity: causality then also hides the slots not yet written (after the query).
+        """
+        S = past + T if keys is None else keys
+        if attention_mask is None and not torch.is_tensor(past) and (past == 0 or T == 1):
             return None  # causal from 0 (SDPA's is_causal), or one query that sees every cached key
-        S = past + T
-        query_pos = torch.arange(past, S, device=device).view(T, 1)
+        query_pos = (past + torch.arange(T, device=device)).view(T, 1)
         key_pos = torch.arange(S, device=device).view(1, S)
         causal = key_pos <= query_pos  # (T, S)
         if attention_mask is None:

@@ -108,9 +108,22 @@ def _upcast(x, t, bias, activation):
 
 
 def _onednn(x, t, bias, activation):
+    if torch.compiler.is_compiling():  # opaque to Inductor, which lowers this op only for weights it packed
+        return onednn_linear(x, t["onednn"], bias, activation is not None)
     if activation is None:
         return torch.ops.mkldnn._linear_pointwise(x, t["onednn"], bias, "none", [], "")
     return torch.ops.mkldnn._linear_pointwise(x, t["onednn"], bias, "gelu", [], "tanh")  # fused post-op
+
+
+@torch.library.custom_op("gpt2::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, gelu: bool) -> torch.Tensor:
+    """_onednn as one op torch.compile calls as it is (eager calls skip this wrapper: it costs ~10 us)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "gelu" if gelu else "none", [], "tanh" if gelu else "")
+
+
+@onednn_linear.register_fake
+def _(x, packed, bias, gelu):
+    return x.new_empty(*x.shape[:-1], packed.shape[0])  # (..., out)
 
 
 def _mkl(x, t, bias, activation):
@@ -310,11 +323,21 @@ class FastLinear(nn.Module):
                 self.register_buffer(name, t, persistent=False)  # moves with the module; never saved
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype), persistent=False)
         self.opaque = {name: t.obj for name, t in self.tensors.items() if isinstance(t, _Packed)}
+        self._gather_kernel_args()
+
+    def _gather_kernel_args(self) -> None:
+        # What the paths read, gathered once (a decode step calls ~50 linears: per-call lookups add up).
+        self.kernel_args = {**self.opaque, **{name: self._buffers[name] for name in self.tensors
+                                              if name not in self.opaque}}
+
+    def _apply(self, fn, recurse=True):  # .to(), .cpu(), ... replace the buffers: gather them again
+        module = super()._apply(fn, recurse)
+        self._gather_kernel_args()
+        return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).contiguous()  # (M, K); some kernels need contiguous rows
-        tensors = {name: self.opaque[name] if name in self.opaque else getattr(self, name) for name in self.tensors}
-        y = self.paths[regime_of(x2.size(0))](x2, tensors, self.bias, self.activation)
+        y = self.paths[regime_of(x2.size(0))](x2, self.kernel_args, self.bias, self.activation)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
