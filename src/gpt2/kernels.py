@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from gpt2.atomic import atomic_write_json
-from gpt2.quantize import REGIMES, compute_dtype, formats_for, linear_layers
+from gpt2.quantize import REGIMES, formats_for, kernel_dtype, layer_precision, linear_layers
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +125,10 @@ class Plan:
     choices: dict[str, Choice]   # shape_key -> choice
     source: str = "measured"     # or "cache"
 
-    def choice_for(self, out_features: int, in_features: int, activation: str | None) -> Choice:
-        return self.choices[shape_key(out_features, in_features, activation)]
+    def choice_for(self, out_features: int, in_features: int, activation: str | None,
+                   precision: str | None = None) -> Choice:
+        return self.choices[shape_key(out_features, in_features, activation, precision or self.precision,
+                                      self.precision)]
 
     def choices_dict(self) -> dict:
         return {"machine": self.machine, "source": self.source,
@@ -148,8 +150,10 @@ class Plan:
         return "\n".join(lines)
 
 
-def shape_key(out_features: int, in_features: int, activation: str | None) -> str:
-    return f"{out_features}x{in_features}" + (f"+{activation}" if activation else "")
+def shape_key(out_features: int, in_features: int, activation: str | None, precision: str, plan_precision: str) -> str:
+    """"3072x768+gelu_tanh"; a layer kept at another precision than its plan's says so ("50257x768@int8")."""
+    return (f"{out_features}x{in_features}" + (f"+{activation}" if activation else "")
+            + (f"@{precision}" if precision != plan_precision else ""))
 
 
 def default_cache_path() -> Path:
@@ -163,15 +167,19 @@ def plan_for(model, precision: str, device_type: str | None = None, cache_path: 
     Only the model's shapes are read (a model on the meta device will do, with device_type="cpu").
     """
     device_type = device_type or model.transformer.wte.weight.device.type
-    shapes = {shape_key(l.out_features, l.in_features, act): (l.out_features, l.in_features, act)
-              for _, _, l, act in linear_layers(model)}
+    shapes = {}  # key -> (precision, out, in, activation)
+    for _, attr, l, act in linear_layers(model):
+        p = layer_precision(precision, attr)
+        shapes[shape_key(l.out_features, l.in_features, act, p, precision)] = (p, l.out_features, l.in_features, act)
     if device_type != "cpu":  # one format per precision off the CPU: nothing to measure
-        fmt = formats_for(precision, device_type)[0]
-        path = next(iter(fmt.paths))
+        def fixed(p):
+            fmt = formats_for(p, device_type)[0]
+            return Choice(fmt.name, {r: next(iter(fmt.paths)) for r in REGIMES}, {})
         return Plan(precision, {"cpu": device_type, "features": [], "torch": torch.__version__, "threads": 0},
-                    {k: Choice(fmt.name, {r: path for r in REGIMES}, {}) for k in shapes}, "fixed")
+                    {k: fixed(p) for k, (p, *_) in shapes.items()}, "fixed")
     machine = machine_key()
-    machine["candidates"] = [f"{f.name}/{p}" for f in formats_for(precision, "cpu") for p in f.paths]
+    machine["candidates"] = [f"{f.precision} {f.name}/{path}" for p in sorted({s[0] for s in shapes.values()})
+                             for f in formats_for(p, "cpu") for path in f.paths]
     cache_path = cache_path or default_cache_path()
     entries = _read_cache(cache_path)
     prefix = json.dumps(machine, sort_keys=True) + f"|{precision}|"
@@ -182,7 +190,7 @@ def plan_for(model, precision: str, device_type: str | None = None, cache_path: 
         else:
             missing.append(key)
     for key in missing:
-        choices[key] = measure_shape(precision, *shapes[key])
+        choices[key] = measure_shape(*shapes[key])
         entries[prefix + key] = asdict(choices[key])
     if missing:
         try:
@@ -218,7 +226,7 @@ def measure_shape(precision: str, out_features: int, in_features: int, activatio
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(out_features, in_features, generator=gen) * 0.02
     bias = torch.randn(out_features, generator=gen) * 0.02
-    dtype = compute_dtype(precision)
+    dtype = kernel_dtype(precision)
     inputs = {r: torch.randn(n, in_features, generator=gen).to(dtype) for r, n in ROWS.items()}
     timings, rejected = {}, {}
     for fmt in formats_for(precision, "cpu"):

@@ -25,8 +25,9 @@ functions (x (M, K), tensors) -> y (M, N). Every path of a format computes with 
               _weight_int4pack_mm_for_cpu (bf16 activations) on CPU; elsewhere the nibbles are
               dequantized for a bf16 GEMM (on CPU that measured 2-50x slower, so it is not offered)
 
-The lm_head is quantized too (its own copy; wte stays in the compute dtype for the lookup). The
-activation of c_fc (GELU) is fused into the GEMM as a oneDNN post-op where the path allows.
+The lm_head is quantized too (its own copy; wte stays float32 for the lookup); an int4 model keeps it
+at int8 (HEAD_PRECISION). Activations around the linears stay float32 at every precision (kernel_dtype).
+The activation of c_fc (GELU) is fused into the GEMM as a oneDNN post-op where the path allows.
 """
 
 from __future__ import annotations
@@ -289,9 +290,20 @@ def format_named(precision: str, name: str, device_type: str = "cpu") -> WeightF
     raise ConfigError(f"no {precision} weight format {name!r} on {device_type}")
 
 
-def compute_dtype(precision: str) -> torch.dtype:
-    """The dtype of the activations, embeddings and LayerNorms around the linears."""
+def kernel_dtype(precision: str) -> torch.dtype:
+    """The dtype a precision's kernels take activations in. Around the linears (embeddings, LayerNorm,
+    attention, the residual stream, the KV cache, the logits) the model computes in float32 at every
+    precision, as llama.cpp does: a bf16 residual stream measurably raises perplexity (BENCHMARKS.md)."""
     return torch.float32 if precision == "float32" else torch.bfloat16
+
+
+# llama.cpp keeps a Q4_0 file's output matrix at 6 bits (Q6_K): the logits are the most sensitive
+# product. Our int4 models keep the lm_head at int8 for the same reason.
+HEAD_PRECISION = {"int4": "int8"}
+
+
+def layer_precision(precision: str, attr: str) -> str:
+    return HEAD_PRECISION.get(precision, precision) if attr == "lm_head" else precision
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,7 +323,7 @@ class FastLinear(nn.Module):
     """y = act(x W^T + b) with W stored in a WeightFormat and one chosen path per regime. Inference only."""
 
     def __init__(self, fmt: WeightFormat, weight: torch.Tensor, bias: torch.Tensor | None,
-                 paths: dict[str, str], activation: str | None = None, dtype=torch.float32):
+                 paths: dict[str, str], activation: str | None = None):
         super().__init__()
         self.format, self.activation = fmt, activation
         self.out_features, self.in_features = weight.shape
@@ -321,7 +333,8 @@ class FastLinear(nn.Module):
         for name, t in self.tensors.items():
             if isinstance(t, torch.Tensor):
                 self.register_buffer(name, t, persistent=False)  # moves with the module; never saved
-        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype), persistent=False)
+        self.dtype = kernel_dtype(fmt.precision)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(self.dtype), persistent=False)
         self.opaque = {name: t.obj for name, t in self.tensors.items() if isinstance(t, _Packed)}
         self._gather_kernel_args()
 
@@ -336,9 +349,9 @@ class FastLinear(nn.Module):
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).contiguous()  # (M, K); some kernels need contiguous rows
+        x2 = x.reshape(-1, self.in_features).to(self.dtype).contiguous()  # (M, K); kernels need contiguous rows
         y = self.paths[regime_of(x2.size(0))](x2, self.kernel_args, self.bias, self.activation)
-        return y.view(*x.shape[:-1], self.out_features)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         fused = f", {self.activation} fused" if self.activation else ""
@@ -346,7 +359,7 @@ class FastLinear(nn.Module):
                 + ", ".join(f"{r}: {p}" for r, p in self.path_names.items()))
 
 
-def linear_layers(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear, str | None]]:
+def linear_layers(model) -> list[tuple[nn.Module, str, nn.Linear, str | None]]:
     """Every (parent, attribute, nn.Linear, fused activation) the inference formats replace.
 
     c_fc takes GPT-2's tanh-GELU along when the MLP uses it (the MLP's act then becomes Identity).
@@ -363,14 +376,15 @@ def linear_layers(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear, str
 
 @torch.no_grad()
 def apply_plan(model: nn.Module, plan) -> nn.Module:
-    """In place: every linear becomes a FastLinear in the plan's format and paths (kernels.Plan)."""
-    dtype = compute_dtype(plan.precision)
-    model.to(dtype)
+    """In place: every linear becomes a FastLinear in the plan's format and paths (kernels.Plan);
+    everything else stays float32."""
+    model.float()
     device_type = model.transformer.wte.weight.device.type
     for parent, attr, linear, activation in linear_layers(model):
-        choice = plan.choice_for(linear.out_features, linear.in_features, activation)
-        fmt = format_named(plan.precision, choice.format, device_type)
-        setattr(parent, attr, FastLinear(fmt, linear.weight, linear.bias, choice.paths, activation, dtype))
+        precision = layer_precision(plan.precision, attr)
+        choice = plan.choice_for(linear.out_features, linear.in_features, activation, precision)
+        fmt = format_named(precision, choice.format, device_type)
+        setattr(parent, attr, FastLinear(fmt, linear.weight, linear.bias, choice.paths, activation))
         if activation is not None:
             parent.act = nn.Identity()
     return model.eval()
