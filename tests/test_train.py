@@ -8,6 +8,7 @@ All runs use a tiny model on a tiny synthetic corpus (a random Markov chain over
 as llm.c shards with data.write_shard), one thread and deterministic algorithms.
 """
 
+import dataclasses
 import json
 import logging
 import math
@@ -59,14 +60,15 @@ def corpus(tmp_path_factory):
 def tiny_config(data, out, **overrides) -> TrainConfig:
     fields = dict(data=str(data), out=str(out), batch_size=4, seq_len=16, lr=1e-2, min_lr=1e-3, warmup_steps=5,
                   max_steps=30, eval_interval=10, eval_batches=4, checkpoint_interval=10, keep_last=2,
-                  num_samples=0, progress=False, dropout=0.0, threads=1, seed=7)
+                  num_samples=0, progress=False, dropout=0.0, threads=1, seed=7, dtype="float32")
     return TrainConfig(**{**fields, **overrides})
 
 
 def cli_args(data, out, **overrides) -> list[str]:
     fields = dict(data=data, out=out, n_layer=2, n_head=2, n_embd=32, n_positions=32, vocab_size=VOCAB,
                   batch_size=4, seq_len=16, lr=1e-2, min_lr=1e-3, warmup_steps=5, max_steps=30, eval_interval=10,
-                  eval_batches=4, checkpoint_interval=10, keep_last=2, num_samples=0, dropout=0.0, threads=1, seed=7)
+                  eval_batches=4, checkpoint_interval=10, keep_last=2, num_samples=0, dropout=0.0, threads=1, seed=7,
+                  dtype="float32")
     fields.update(overrides)
     args = ["train", "--no-progress"]
     for k, v in fields.items():
@@ -450,3 +452,49 @@ def test_embedding_lr_scale_multiplies_the_first_adam_step(corpus, tmp_path):
     assert plain["transformer.wte.weight"] == pytest.approx(1e-2, rel=1e-3)   # lr
     assert scaled["transformer.wte.weight"] == pytest.approx(4e-2, rel=1e-3)  # 4 * lr
     assert scaled["transformer.h.0.mlp.c_fc.weight"] == pytest.approx(plain["transformer.h.0.mlp.c_fc.weight"])
+
+
+# --- dtype auto ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def training_cache(tmp_path, monkeypatch):
+    """The measured dtype choice goes to a private cache, never the user's."""
+    from gpt2 import kernels
+    monkeypatch.setattr(kernels, "default_cache_path", lambda: tmp_path / "cache" / "kernels.json")
+    return tmp_path / "cache" / "training.json"
+
+
+def test_dtype_auto_measures_records_and_a_resumed_run_keeps_it(corpus, tmp_path, training_cache, caplog):
+    cfg = tiny_config(corpus, tmp_path / "auto", dtype="auto", max_steps=10)
+    with caplog.at_level(logging.INFO, logger="gpt2.train"):
+        train(cfg, GPTConfig(**TINY_MODEL))
+    cached = json.loads(training_cache.read_text())["entries"]
+    (entry,) = cached.values()
+    chosen = entry["dtype"]
+    assert chosen in ("float32", "bfloat16") and set(entry["step_s"]) == {"float32", "bfloat16"}
+    assert chosen == min(entry["step_s"], key=entry["step_s"].get)  # the faster one
+    assert f"dtype auto -> {chosen} (measured" in caplog.text
+    recorded = json.loads((tmp_path / "auto" / "train_config.json").read_text())["train"]["dtype"]
+    assert recorded == chosen
+    # The cache now says the other dtype is faster; a resumed run still keeps the one it started with.
+    other = "float32" if chosen == "bfloat16" else "bfloat16"
+    training_cache.write_text(json.dumps({"version": 1, "entries": {
+        k: {**v, "dtype": other} for k, v in cached.items()}}))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="gpt2.train"):
+        train(dataclasses.replace(cfg, max_steps=15, resume=True), GPTConfig(**TINY_MODEL))
+    assert f"dtype auto -> {chosen} (the resumed checkpoint's)" in caplog.text
+    # A new run reads the (edited) cache instead of measuring again.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="gpt2.train"):
+        train(dataclasses.replace(cfg, out=str(tmp_path / "auto2")), GPTConfig(**TINY_MODEL))
+    assert f"dtype auto -> {other} (cache" in caplog.text
+
+
+def test_bf16_reaches_the_float32_loss_per_token(corpus, tmp_path):
+    """Same tokens, same steps: bf16 autocast's val loss is within 1% of float32's."""
+    fp32 = tiny_config(corpus, tmp_path / "fp32", max_steps=60, eval_interval=60, checkpoint_interval=60)
+    bf16 = dataclasses.replace(fp32, out=str(tmp_path / "bf16"), dtype="bfloat16")
+    a = train(fp32, GPTConfig(**TINY_MODEL))["val_loss"]
+    b = train(bf16, GPTConfig(**TINY_MODEL))["val_loss"]
+    assert abs(a - b) <= 0.01 * a, (a, b)

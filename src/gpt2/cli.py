@@ -273,7 +273,8 @@ def add_train_parser(sub):
     g = p.add_argument_group("execution")
     g.add_argument("--seed", type=int)
     g.add_argument("--device", choices=["cpu", "cuda"])
-    g.add_argument("--dtype", choices=list(DTYPES), help="autocast dtype (weights stay float32)")
+    g.add_argument("--dtype", choices=["auto"] + list(DTYPES),
+                   help="autocast dtype (weights stay float32); auto (default): the faster here, measured once")
     g.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
     g.add_argument("--activation-checkpointing", action="store_true", default=None)
     g.add_argument("--parallel", choices=["ddp", "fsdp"], help="under torchrun: DDP (default) or FSDP2")

@@ -193,15 +193,12 @@ def plan_for(model, precision: str, device_type: str | None = None, cache_path: 
         choices[key] = measure_shape(*shapes[key])
         entries[prefix + key] = asdict(choices[key])
     if missing:
-        try:
-            cache_path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(cache_path, {"version": CACHE_VERSION, "entries": entries})
-        except OSError as e:  # a read-only home still runs; it measures again next time
-            log.warning("could not write the kernel cache %s: %s", cache_path, e)
+        _write_cache(cache_path, entries)
     return Plan(precision, machine, choices, "measured" if missing else "cache")
 
 
-def _read_cache(path: Path) -> dict:
+def _read_cache(path: Path, validate=lambda entry: Choice(**entry)) -> dict:
+    """The cache's entries; {} (after one warning) for a corrupt or foreign file, which is then rewritten."""
     if not path.exists():
         return {}
     try:
@@ -209,11 +206,32 @@ def _read_cache(path: Path) -> dict:
         if data.get("version") != CACHE_VERSION or not isinstance(data.get("entries"), dict):
             raise ValueError(f"not a version-{CACHE_VERSION} kernel cache")
         for entry in data["entries"].values():
-            Choice(**entry)  # every entry must have the fields of a Choice
+            validate(entry)  # every entry must have the expected fields
         return data["entries"]
-    except (OSError, ValueError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, TypeError, AttributeError, KeyError) as e:
         log.warning("ignoring the kernel cache %s (%s); measuring again", path, e)
         return {}
+
+
+def _write_cache(path: Path, entries: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, {"version": CACHE_VERSION, "entries": entries})
+    except OSError as e:  # a read-only home still runs; it measures again next time
+        log.warning("could not write the kernel cache %s: %s", path, e)
+
+
+def cached_measurement(name: str, key: dict, measure, validate=lambda entry: None) -> tuple[dict, str]:
+    """measure() -> a JSON-able dict, once per machine and key (in NAME.json beside the kernel cache);
+    afterwards read back. Returns (result, "measured" or "cache"). Training's dtype choice uses it."""
+    path = default_cache_path().with_name(f"{name}.json")
+    entries = _read_cache(path, validate)
+    full_key = json.dumps({**machine_key(), **key}, sort_keys=True)
+    if full_key in entries:
+        return entries[full_key], "cache"
+    entries[full_key] = measure()
+    _write_cache(path, entries)
+    return entries[full_key], "measured"
 
 
 # ---------------------------------------------------------------------------------------------

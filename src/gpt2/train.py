@@ -113,7 +113,8 @@ class TrainConfig:
     # execution
     seed: int = 1337
     device: str = "cpu"
-    dtype: str = "float32"               # autocast dtype: float32 (none), bfloat16, float16 (CUDA, with GradScaler)
+    dtype: str = "auto"                  # autocast dtype: float32 (none), bfloat16, float16 (CUDA, with GradScaler);
+                                         # auto: the fastest here, measured once (choose_dtype)
     compile: bool = False
     activation_checkpointing: bool = False
     parallel: str = "ddp"                # under torchrun: ddp or fsdp (FSDP2 fully_shard)
@@ -125,7 +126,8 @@ class TrainConfig:
             self.vocab_multiple = 64 if self.device.startswith("cuda") else 1
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule {self.schedule!r} is not supported; choose one of {', '.join(SCHEDULES)}")
-        parse_dtype(self.dtype)  # a ConfigError naming the supported dtypes
+        if self.dtype != "auto":
+            parse_dtype(self.dtype)  # a ConfigError naming the supported dtypes
         if self.dtype == "float16" and not self.device.startswith("cuda"):
             raise ConfigError("float16 training needs CUDA (a GradScaler); use --dtype bfloat16 on CPU")
         for name in ("batch_size", "seq_len", "max_steps", "eval_interval", "eval_batches", "checkpoint_interval",
@@ -151,6 +153,8 @@ class TrainConfig:
     @property
     def autocast_dtype(self) -> torch.dtype | None:
         """The autocast dtype; float32 means no autocast at all (not an autocast to float32)."""
+        if self.dtype == "auto":
+            raise ConfigError("dtype 'auto' is resolved when the run starts (choose_dtype)")
         return None if self.dtype == "float32" else parse_dtype(self.dtype)
 
 
@@ -168,7 +172,7 @@ PRESETS: dict[str, dict] = {
         model=dict(n_layer=4, n_head=4, n_embd=96, n_positions=128, embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0),
         batch_size=8, seq_len=128, lr=1e-3, min_lr=0.0, warmup_steps=10, schedule="wsd", decay_fraction=0.4,
         weight_decay=0.1, beta2=0.99, embedding_lr_scale=10.0, max_steps=100_000, max_minutes=4.5,
-        eval_interval=100_000, eval_batches=32, checkpoint_interval=100_000, keep_last=2, dtype="float32",
+        eval_interval=100_000, eval_batches=32, checkpoint_interval=100_000, keep_last=2, dtype="auto",
         vocab_multiple=1),
     # The published 124M reproduction (nanoGPT / llm.c): ~0.5M tokens per step, lr 6e-4 with 715 warmup
     # steps, cosine to 6e-5 over 19,073 steps = 10B tokens. For GPUs: bf16, compile, flash attention (SDPA).
@@ -527,6 +531,57 @@ RESUME_MUST_MATCH = ("batch_size", "seq_len", "total_batch_tokens", "data_mode",
                      "vocab_multiple")  # max_steps and max_minutes may grow: the run continues
 
 
+def choose_dtype(cfg: TrainConfig, model: GPT, info: DistInfo, ckpt: checkpoint.Checkpoint | None) -> tuple[str, str]:
+    """cfg.dtype, or for "auto": (the training dtype, why). A resumed run keeps its checkpoint's dtype;
+    CUDA takes bf16 where supported, else float16 with a GradScaler; a CPU times one forward + backward
+    of this model at this micro-batch in float32 and in bf16 autocast and takes the faster (whether bf16
+    wins depends on the CPU: BENCHMARKS.md, Training), cached per machine and shape."""
+    if cfg.dtype != "auto":
+        return cfg.dtype, "as configured"
+    if ckpt is not None:
+        saved = ckpt.meta.get("train_config", {}).get("dtype")
+        if saved:
+            return saved, "the resumed checkpoint's"
+    if info.device.startswith("cuda"):
+        return ("bfloat16", "CUDA with bf16") if torch.cuda.is_bf16_supported() else ("float16", "CUDA without bf16")
+    from gpt2.kernels import cached_measurement
+    key = {"kind": "training step", "model": model.config.to_dict(), "batch_size": cfg.batch_size,
+           "seq_len": cfg.seq_len, "vocab_multiple": cfg.vocab_multiple}
+    if info.is_main:
+        result, source = cached_measurement("training", key, lambda: _time_training_dtypes(model, cfg),
+                                            validate=lambda entry: entry["dtype"])
+    result, source = broadcast_object((result, source) if info.is_main else None, info)
+    times = ", ".join(f"{d} {t * 1e3:.0f} ms" for d, t in result["step_s"].items())
+    return result["dtype"], f"{source}: one forward + backward took {times}"
+
+
+def _time_training_dtypes(model: GPT, cfg: TrainConfig) -> dict:
+    """Seconds of one forward + backward per candidate dtype (fastest of 3, alternating); no optimizer
+    step, and a private generator for the tokens, so the run itself is untouched."""
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, model.config.vocab_size, (cfg.batch_size, cfg.seq_len + 1), generator=g)
+    x, y = idx[:, :-1].to(model.transformer.wte.weight.device), idx[:, 1:].to(model.transformer.wte.weight.device)
+
+    def step(dtype: str) -> float:
+        autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bfloat16"
+                    else contextlib.nullcontext())
+        start = time.perf_counter()
+        with autocast:
+            loss = model(x, targets=y)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    candidates = ("float32", "bfloat16")
+    for dtype in candidates:
+        step(dtype)  # warm up
+    best = {dtype: math.inf for dtype in candidates}
+    for _ in range(3):  # alternating, so a burst of other work on the machine hits both
+        for dtype in candidates:
+            best[dtype] = min(best[dtype], step(dtype))
+    return {"dtype": min(best, key=best.get), "step_s": best}
+
+
 def _check_inputs(cfg: TrainConfig, device: str) -> None:
     """Fail before any model is built: no CUDA for --device cuda, or no data (train or val split)."""
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -580,6 +635,10 @@ def build_run(cfg: TrainConfig, model_config: GPTConfig | None, info: DistInfo,
     model = build_training_model(cfg, model_config)
     if cfg.seq_len > model.config.n_positions:
         raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's context length {model.config.n_positions}")
+    dtype, why = choose_dtype(cfg, model.to(info.device), info, ckpt)
+    if cfg.dtype == "auto":
+        log.info(f"dtype auto -> {dtype} ({why})")
+        cfg = dataclasses.replace(cfg, dtype=dtype)
     if ckpt is not None:
         _check_resume(ckpt, cfg, model, info.world_size)
         saved = load_model(ckpt.path, dtype=torch.float32, vocab_multiple=cfg.vocab_multiple)
@@ -759,6 +818,7 @@ def _train(cfg: TrainConfig, model_config: GPTConfig | None, info: DistInfo) -> 
     _check_inputs(cfg, info.device)
     ckpt = _resume_checkpoint(cfg, out)
     run = build_run(cfg, model_config, info, ckpt)
+    cfg = run.cfg  # with dtype "auto" resolved
     state = start_state(run, ckpt)
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
