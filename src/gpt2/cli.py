@@ -245,7 +245,7 @@ def add_train_parser(sub):
         g.add_argument(f"--{flag}", type=int, help=f"model {flag.replace('-', '_')} (overrides the preset's)")
     g.add_argument("--init-from", help="fine-tune: our checkpoint, a Hugging Face directory or a hub name (gpt2, ...)")
     g.add_argument("--dropout", type=float, help="all three dropout rates (default: the model config's, 0.1 from scratch)")
-    g.add_argument("--vocab-multiple", type=int, help="pad the vocabulary rows to a multiple (default: 64 on CUDA, 1 on CPU)")
+    g.add_argument("--vocab-multiple", type=int, help="pad the vocabulary rows to a multiple (default: 64)")
     g = p.add_argument_group("batch, optimizer, schedule")
     g.add_argument("--batch-size", type=int, help="sequences per micro-batch per rank")
     g.add_argument("--seq-len", type=int, help="tokens per sequence")
