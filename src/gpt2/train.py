@@ -60,9 +60,6 @@ from gpt2.weights import load_model, parse_dtype
 log = logging.getLogger(__name__)  # rank 0 only; train() shows it on stdout when logging is not configured
 
 SCHEDULES = ("cosine", "wsd")
-# Assumed peak FLOP/s of the CPU device (all its cores) for the MFU estimate: the float32 GEMM rate
-# measured on the 2-core development machine (~0.3 TFLOP/s). An assumption, hence --peak-tflops.
-DEFAULT_CPU_PEAK_TFLOPS = 0.3
 # Dense bf16 peaks (TFLOP/s) of common GPUs, matched by name; others need --peak-tflops.
 GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0, "L4": 121.0,
                    "RTX 4090": 165.0, "RTX 3090": 71.0, "V100": 125.0, "T4": 65.0}
@@ -109,7 +106,8 @@ class TrainConfig:
     sample_tokens: int = 48
     sample_prompt: str = "\n"
     progress: bool = True                # tqdm progress bar (rank 0)
-    peak_tflops: float | None = None     # the device's peak for the MFU estimate; None: a known GPU or the CPU default
+    peak_tflops: float | None = None     # the device's peak for the MFU estimate; None: a known GPU's, or on a CPU
+                                         # its GEMM rate in the training dtype, measured once (cpu_gemm_flops)
     # execution
     seed: int = 1337
     device: str = "cpu"
@@ -230,7 +228,28 @@ def peak_flops(cfg: TrainConfig, device: str) -> float:
             if key in name:
                 return tflops * 1e12
         return 312e12  # unknown GPU: an A100's bf16 peak, as an assumption
-    return DEFAULT_CPU_PEAK_TFLOPS * 1e12
+    return cpu_gemm_flops(cfg.dtype)
+
+
+def cpu_gemm_flops(dtype: str) -> float:
+    """FLOP/s of a (1024 x 768) @ (768 x 3072) GEMM (a GPT-2 block's shape) in the training dtype on this
+    CPU, all threads: the MFU denominator (bf16 and float32 GEMM rates differ 2x either way across CPUs).
+    Measured once per machine (kernels.cached_measurement); the fastest of 5."""
+    from gpt2.kernels import cached_measurement
+
+    def measure() -> dict:
+        dt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+        a, b = torch.randn(1024, 768).to(dt), torch.randn(3072, 768).to(dt)
+        torch.nn.functional.linear(a, b)
+        best = math.inf
+        for _ in range(5):
+            start = time.perf_counter()
+            torch.nn.functional.linear(a, b)
+            best = min(best, time.perf_counter() - start)
+        return {"flops": 2 * 1024 * 768 * 3072 / best}
+
+    return cached_measurement("gemm", {"kind": "GEMM peak", "dtype": dtype}, measure,
+                              validate=lambda entry: float(entry["flops"]))[0]["flops"]
 
 
 # ---------------------------------------------------------------------------------------------
