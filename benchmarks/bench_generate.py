@@ -2,7 +2,7 @@
 
     flock /tmp/gpt2-bench.lock .venv/bin/python benchmarks/bench_generate.py            # 124M, 5 rounds
     .venv/bin/python benchmarks/bench_generate.py --rounds 3 --quality                   # + int8 quality
-    ... bench_generate.py --compile      # + decode with generate(..., compile=True) (compiles first, ~1 min)
+    ... bench_generate.py --compile      # + decode with generate(..., compile=True) (compiles first)
 
 One random-init model is saved once in the Hugging Face layout; Transformers loads it with
 GPT2LMHeadModel.from_pretrained and we load it with gpt2.quantize.load_for_inference (float32, bfloat16,

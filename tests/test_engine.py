@@ -255,7 +255,7 @@ def test_bfloat16_logits_track_float32(model):
 
 @pytest.mark.slow
 def test_compiled_decode_equals_uncompiled(model):
-    """compile=True: one torch.compile'd fixed-shape step (~20-60 s to compile on CPU; one shape only)."""
+    """compile=True: one torch.compile'd fixed-shape step (compiling takes a while on CPU; one shape only)."""
     sampled = dict(temperature=0.9, top_k=50, top_p=0.9, repetition_penalty=1.2, seed=[3, 4, 5])
     for kw in ({}, sampled):  # same batch and capacity: the second run reuses the compiled graph
         assert (generate(model, PROMPTS, max_new_tokens=40, compile=True, **kw)

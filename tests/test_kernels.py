@@ -224,3 +224,15 @@ def test_info_kernels_prints_the_plan(capsys):
     assert main(["info", "gpt2", "--kernels", "--kernels-dtype", "int8"]) == 0
     out = capsys.readouterr().out
     assert "kernels for int8" in out and "768x3072" in out and "50257x768" in out
+
+
+@pytest.mark.slow
+def test_compiled_decode_of_packed_models_equals_eager_and_quantized_ones_refuse():
+    from gpt2.errors import ConfigError
+    for precision in ("float32", "bfloat16"):
+        model = apply_plan(tiny_model(), kernels.plan_for(tiny_model(), precision))
+        assert (generate(model, PROMPTS, max_new_tokens=12, compile=True)
+                == generate(model, PROMPTS, max_new_tokens=12)), precision
+    int8 = apply_plan(tiny_model(), kernels.plan_for(tiny_model(), "int8"))
+    with pytest.raises(ConfigError, match="compile=True supports float32 and bfloat16"):
+        generate(int8, PROMPTS, max_new_tokens=4, compile=True)

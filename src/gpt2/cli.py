@@ -345,7 +345,8 @@ def cmd_generate(args):
     require_gpt2_vocab(model.config, args.model)
     tok = Tokenizer.from_pretrained(args.model)
     prompt = sys.stdin.read() if args.stdin else args.prompt
-    cfg = make_config(args.max_new_tokens, args.temperature, args.top_k, args.top_p, min_p=args.min_p,
+    cfg = make_config(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                      top_p=args.top_p, min_p=args.min_p,
                       repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
                       presence_penalty=args.presence_penalty, ignore_eos=args.ignore_eos, truncate=args.truncate,
                       compile=args.compile)

@@ -51,7 +51,7 @@ class GenerationConfig:
     compile: bool = False                    # decode with one torch.compile'd, fixed-shape step
 
 
-def make_config(max_new_tokens=64, temperature=0.0, top_k=None, top_p=None, seed=None, stop_token_ids=None, *,
+def make_config(*, max_new_tokens=64, temperature=0.0, top_k=None, top_p=None, seed=None, stop_token_ids=None,
                 min_p=None, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, logit_bias=None,
                 ignore_eos=False, truncate=None, compile=False) -> GenerationConfig:
     """The keyword arguments of generate/stream as one GenerationConfig."""
@@ -62,8 +62,9 @@ def make_config(max_new_tokens=64, temperature=0.0, top_k=None, top_p=None, seed
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                               presence_penalty=presence_penalty, logit_bias=dict(logit_bias or {}))
-    return GenerationConfig(max_new_tokens, sampling, seed, list(stop_token_ids or []), ignore_eos, truncate,
-                            bool(compile))
+    return GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                            stop_token_ids=list(stop_token_ids or []), ignore_eos=ignore_eos, truncate=truncate,
+                            compile=bool(compile))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,6 +148,9 @@ class Stream:
         B, N = len(rows), cfg.max_new_tokens
         if N == 0:
             return
+        if cfg.compile and not all(getattr(m, "compilable", True) for m in model.modules()):
+            raise ConfigError("compile=True supports float32 and bfloat16 models; int8 and int4 kernels run "
+                              "eagerly (on CPU compiling gains nothing measurable: BENCHMARKS.md)")
         device = model.transformer.wte.weight.device
         P = max(len(r) for r in rows)
         padded = any(len(r) != P for r in rows)
@@ -265,22 +269,20 @@ class StaticDecode:
         return logits
 
 
-def stream(model, prompts: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
-           top_p=None, seed=None, stop_token_ids=None, **options) -> Stream:
-    """Yield, step by step, the new id of each row (None for rows that are done). See make_config."""
-    cfg = make_config(max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, **options)
-    return Stream(model, prompts, cfg)
+def stream(model, prompts: list[list[int]], max_new_tokens: int = 64, **options) -> Stream:
+    """Yield, step by step, the new id of each row (None for rows that are done). Options: generate's."""
+    return Stream(model, prompts, make_config(max_new_tokens=max_new_tokens, **options))
 
 
-def generate(model, prompts: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0, top_k=None,
-             top_p=None, seed=None, stop_token_ids=None, **options) -> list[list[int]]:
+def generate(model, prompts: list[list[int]], max_new_tokens: int = 64, **options) -> list[list[int]]:
     """New ids of each prompt (stop tokens excluded).
 
-    options: min_p, repetition_penalty, frequency_penalty, presence_penalty, logit_bias ({id: bias}),
-    ignore_eos (EOS is <|endoftext|> for GPT-2's vocabulary), truncate ("left"),
-    compile (torch.compile one fixed-shape decode step; the first call per shape compiles, ~30 s+).
+    options (keywords, make_config's): temperature (0: greedy), top_k, top_p, min_p, seed (an int, or
+    one per row), stop_token_ids, repetition_penalty, frequency_penalty, presence_penalty, logit_bias
+    ({id: bias}), ignore_eos (EOS is <|endoftext|> for GPT-2's vocabulary), truncate ("left"),
+    compile (torch.compile one fixed-shape decode step; the first call per shape compiles: BENCHMARKS.md).
     """
-    steps = stream(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, **options)
+    steps = stream(model, prompts, max_new_tokens, **options)
     out = [[] for _ in steps.rows]
     for step in steps:
         for row, t in zip(out, step):
@@ -294,10 +296,9 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int = 64, temperat
 # ---------------------------------------------------------------------------------------------
 
 @torch.inference_mode()
-def generate_naive(model, prompts: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0,
-                   top_k=None, top_p=None, seed=None, stop_token_ids=None, **options) -> list[list[int]]:
+def generate_naive(model, prompts: list[list[int]], max_new_tokens: int = 64, **options) -> list[list[int]]:
     """What generate computes, the slow and obvious way. Tests compare the two token for token."""
-    cfg = make_config(max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, **options)
+    cfg = make_config(max_new_tokens=max_new_tokens, **options)
     config = model.config
     rows = check_prompts(prompts, cfg.max_new_tokens, config.n_positions, config.vocab_size, cfg.truncate)
     device = model.transformer.wte.weight.device

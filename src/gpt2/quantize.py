@@ -326,6 +326,9 @@ class FastLinear(nn.Module):
                  paths: dict[str, str], activation: str | None = None):
         super().__init__()
         self.format, self.activation = fmt, activation
+        # torch.compile (the engine's compile=True) calls oneDNN through an opaque op; Inductor cannot
+        # lower the int8 / int4 kernels on weights it did not pack itself.
+        self.compilable = fmt.precision in ("float32", "bfloat16")
         self.out_features, self.in_features = weight.shape
         self.path_names = dict(paths)  # regime -> path name, for describe()
         self.paths = {regime: fmt.paths[name] for regime, name in paths.items()}
