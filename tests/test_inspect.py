@@ -2,9 +2,12 @@
 
     .venv/bin/pytest tests/test_inspect.py -q
 
-Every test runs a real GPT.forward (on CPU for a tiny config, on the meta device for the 124M preset,
+The sheet's tests run a real GPT.forward (on CPU for a tiny config, on the meta device for the 124M preset,
 which propagates shapes without allocating weights) in the mode the sheet describes, records what
 each module and each torch function inside it received and returned, and compares with the sheet.
+The capture tests compare inspect.capture with a forward written out op by op, with Transformers'
+output_attentions, and a head ablation by patch with the same ablation by hand; the slow test renders
+a prompt's page in headless Chromium.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ import gpt2.model
 from gpt2 import GPT, ConfigError, ContextLengthError, GPTConfig, KVCache
 from gpt2.cli import main
 from gpt2.config import ACTIVATIONS
-from gpt2.inspect import (ACTIVATION_OPS, COLORS, CROSS_ENTROPY_FLOPS, InspectConfig, architecture_sheet, format_html,
-                          format_markdown, format_text, inspect_model, model_for_sheet, render_sheet)
+from gpt2.inspect import (ACTIVATION_OPS, COLORS, CROSS_ENTROPY_FLOPS, InspectConfig, architecture_sheet, capture,
+                          capture_points, format_html, format_markdown, format_text, inspect_model, lens_logits,
+                          logit_lens, model_for_sheet, prompt_sheet, render_sheet)
+from gpt2.weights import save_native
 
 TINY = GPTConfig(n_layer=2, n_head=4, n_embd=32, n_positions=32, vocab_size=101)
 MATMUL_OPS = ("qkv projection", "c_proj", "c_fc", "scores", "weighted sum")  # sheet ops that are GEMMs
@@ -385,3 +390,225 @@ def test_html_renders_block_diagram_in_chromium(tmp_path):
     first = {kind: hit[row].nonzero()[0].min() for kind, hit in hits.items()}
     assert first["layernorm"] < first["attention"] < first["mlp"]
     assert hits["layernorm"][row, first["attention"]:first["mlp"]].any()  # LayerNorm 2, between them
+
+
+
+# ---------------------------------------------------------------------------------------------
+# capture, patching, the logit lens, the prompt's sheet
+# ---------------------------------------------------------------------------------------------
+
+def manual_forward(model, idx, zero_head=None):
+    """GPT.forward written out op by op (explicit attention, eval mode): every capture point's tensor.
+
+    zero_head=(layer, head) ablates that head by hand: its slice of the merged heads is set to zero.
+    """
+    t, c = model.transformer, model.config
+    B, T = idx.shape
+    C, nh, hs = c.n_embd, c.n_head, c.head_size
+    acts = {}
+    x = t.wte(idx) + t.wpe(torch.arange(T).unsqueeze(0))
+    acts["embedding"] = x
+    x = t.drop(x)
+    for i, block in enumerate(t.h):
+        a, p = block.attn, f"h.{i}."
+        z = acts[p + "ln_1"] = block.ln_1(x)
+        qkv = acts[p + "attn.qkv"] = a.c_attn(z)
+        q, k, v = (u.view(B, T, nh, hs).transpose(1, 2) for u in qkv.split(C, dim=2))  # (B, nh, T, hs)
+        scores = acts[p + "attn.scores"] = (q @ k.transpose(-2, -1)) * a.scale
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        probs = acts[p + "attn.probs"] = torch.softmax(scores.masked_fill(~causal, torch.finfo(scores.dtype).min), -1)
+        y = (probs @ v).transpose(1, 2).contiguous().view(B, T, C)
+        if zero_head is not None and zero_head[0] == i:
+            y = y.clone()
+            y[:, :, zero_head[1] * hs:(zero_head[1] + 1) * hs] = 0
+        acts[p + "attn.merged"] = y
+        out = acts[p + "attn.out"] = a.c_proj(y)
+        x = acts[p + "resid_mid"] = x + out
+        z2 = acts[p + "ln_2"] = block.ln_2(x)
+        fc = acts[p + "mlp.fc"] = block.mlp.c_fc(z2)
+        act = acts[p + "mlp.act"] = torch.nn.functional.gelu(fc, approximate="tanh")
+        acts[p + "mlp.out"] = block.mlp.c_proj(act)
+        x = acts[p + "resid_post"] = x + acts[p + "mlp.out"]
+    acts["ln_f"] = t.ln_f(x)
+    acts["logits"] = model.lm_head(acts["ln_f"])[..., :c.vocab_size]
+    return acts
+
+
+def tiny_model(seed=0, **config):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**{**TINY.to_dict(), **config}) if config else TINY).eval()
+
+
+def test_capture_equals_a_manual_forward():
+    model = tiny_model()
+    idx = torch.randint(0, TINY.vocab_size, (2, 7))
+    with torch.no_grad():
+        acts = capture(model, idx)
+        manual = manual_forward(model, idx)
+        plain = model(idx)
+    assert list(acts) == list(capture_points(TINY.n_layer)) and set(acts) == set(manual)
+    for name, tensor in acts.items():
+        assert tensor.shape == manual[name].shape, name
+        torch.testing.assert_close(tensor, manual[name], rtol=0, atol=0, msg=name)  # the same ops, bit for bit
+    assert acts["h.0.attn.scores"].shape == (2, TINY.n_head, 7, 7)
+    assert acts["h.1.attn.scores"][0, 0].triu(1).abs().sum() > 0  # scores before the mask: the future is there
+    torch.testing.assert_close(acts["logits"], plain, rtol=1e-5, atol=1e-5)  # explicit path vs SDPA
+    # nothing left behind: no hooks, every block back on scaled_dot_product_attention
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert all(block.attn.use_sdpa for block in model.transformer.h)
+    one = capture(model, idx, names=["h.1.mlp.act"])  # no attention point asked for: SDPA stays on
+    assert list(one) == ["h.1.mlp.act"]
+    torch.testing.assert_close(one["h.1.mlp.act"], acts["h.1.mlp.act"], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ConfigError, match="unknown capture point"):
+        capture(model, idx, names=["h.2.ln_1"])
+    assert all(block.attn.use_sdpa for block in model.transformer.h)
+
+
+def test_attention_probs_equal_transformers_output_attentions(tmp_path):
+    from conftest import save_hf_model
+    hf = save_hf_model(tmp_path, seed=3, n_layer=3, n_head=4, n_embd=32)
+    model = GPT.from_pretrained(str(tmp_path))
+    idx = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        ours = capture(model, idx, names=[f"h.{i}.attn.probs" for i in range(3)] + ["logits"])
+        ref = hf(idx, output_attentions=True)
+    assert len(ref.attentions) == 3
+    for i, attentions in enumerate(ref.attentions):  # (B, nh, T, T)
+        torch.testing.assert_close(ours[f"h.{i}.attn.probs"], attentions, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours["logits"], ref.logits, rtol=1e-4, atol=1e-5)
+
+
+def test_logit_lens_last_layer_is_the_models_logits():
+    model = tiny_model(1)
+    idx = torch.randint(0, TINY.vocab_size, (2, 6))
+    with torch.no_grad():
+        acts = capture(model, idx)
+        probs, ids = logit_lens(model, acts, top_k=4)
+        last = lens_logits(model, acts[f"h.{TINY.n_layer - 1}.resid_post"])
+    assert probs.shape == ids.shape == (TINY.n_layer, 2, 6, 4)
+    assert torch.equal(last, acts["logits"])
+    want_p, want_ids = acts["logits"].softmax(-1).topk(4, dim=-1)
+    assert torch.equal(ids[-1], want_ids) and torch.equal(probs[-1], want_p)
+    assert (probs[..., :-1] >= probs[..., 1:]).all()  # sorted, most likely first
+    # an earlier layer's lens is ln_f + lm_head on that layer's residual stream
+    early = lens_logits(model, acts["h.0.resid_post"]).softmax(-1).topk(4, dim=-1)
+    assert torch.equal(ids[0], early.indices)
+
+
+def test_patch_zeroing_a_head_equals_zeroing_it_by_hand():
+    model = tiny_model(2)
+    idx = torch.randint(0, TINY.vocab_size, (2, 8))
+    layer, head = 1, 2
+
+    def zero_head(probs):  # (B, nh, T, T)
+        probs = probs.clone()
+        probs[:, head] = 0
+        return probs
+    with torch.no_grad():
+        # asking for every layer's probs puts every block on the explicit path, as the manual forward is
+        patched = capture(model, idx, names=["logits"] + [f"h.{i}.attn.probs" for i in range(TINY.n_layer)],
+                          patch={f"h.{layer}.attn.probs": zero_head})
+        by_hand = manual_forward(model, idx, zero_head=(layer, head))
+        clean = manual_forward(model, idx)
+    assert patched[f"h.{layer}.attn.probs"][:, head].abs().sum() == 0  # a capture shows the patched tensor
+    torch.testing.assert_close(patched["logits"], by_hand["logits"], rtol=0, atol=0)
+    assert not torch.allclose(patched["logits"], clean["logits"])
+    # an in-place patch (fn returns None) works too, on a point that is a module's input
+    with torch.no_grad():
+        halved = capture(model, idx, names=["logits"], patch={"h.0.mlp.act": lambda a: a.mul_(0.5)})
+    assert not torch.allclose(halved["logits"], clean["logits"])
+    assert all(block.attn.use_sdpa for block in model.transformer.h)
+
+
+def test_prompt_sheet_stats_attention_and_lens():
+    model = tiny_model(4)
+    ids = [5, 17, 3, 99, 42]
+    sheet = prompt_sheet(model, ids, token_text=lambda t: f"<{t}>", head=(1, 3), top_k=3)
+    with torch.no_grad():
+        acts = capture(model, torch.tensor([ids]))
+    prompt = sheet["prompt"]
+    assert prompt["tokens"] == [f"<{t}>" for t in ids] and prompt["head"] == [1, 3]
+    attention = torch.tensor(prompt["attention"])
+    assert attention.shape == (TINY.n_layer, TINY.n_head, 5, 5)
+    torch.testing.assert_close(attention[1], acts["h.1.attn.probs"][0], atol=1e-4, rtol=0)
+    torch.testing.assert_close(attention.sum(-1), torch.ones(TINY.n_layer, TINY.n_head, 5), atol=1e-3, rtol=0)
+    lens = prompt["logit_lens"]["layers"]
+    assert len(lens) == TINY.n_layer and len(lens[0]) == 5 and len(lens[0][0]) == 3
+    final = acts["logits"][0, -1].softmax(-1).topk(3)
+    assert [e["id"] for e in lens[-1][-1]] == final.indices.tolist()
+    for op in sheet["ops"]:
+        if op["name"] == "causal mask":
+            assert op["capture"] is None and op["stats"] is None
+            continue
+        assert op["stats"] is not None, op["name"]
+        x = acts[op["capture"]]
+        assert op["stats"]["max_abs"] == pytest.approx(x.abs().max().item())
+        assert op["stats"]["std"] == pytest.approx(x.std(unbiased=False).item(), rel=1e-5)
+        assert torch.Size(op["output_shape"]).numel() == x.numel(), op["name"]  # the sheet's shape is the tensor's
+    text = format_text(sheet)
+    assert "mean / std / max|x|" in text and "logit lens at position 4" in text
+
+
+def test_cli_prompt_json_on_a_hf_directory_and_our_checkpoint(tmp_path, capsys):
+    from conftest import save_hf_model
+    hf_dir = tmp_path / "hf"
+    save_hf_model(hf_dir, seed=0, vocab_size=50257, n_layer=2, n_head=2, n_embd=16)
+    native = tmp_path / "ours"
+    save_native(GPT.from_pretrained(str(hf_dir)), native)
+    sheets = []
+    for directory in (hf_dir, native):
+        assert main(["inspect", str(directory), "--prompt", "Hello world, hello", "--format", "json",
+                     "--head", "1.1", "--top-k", "2"]) == 0
+        sheets.append(json.loads(capsys.readouterr().out))
+    for sheet in sheets:
+        prompt = sheet["prompt"]
+        assert prompt["tokens"] == ["Hello", " world", ",", " hello"] and prompt["head"] == [1, 1]
+        assert len(prompt["logit_lens"]["layers"][0][0]) == 2
+        assert sheet["seq"] == 4 and all("stats" in op for op in sheet["ops"])
+    assert sheets[0]["prompt"]["attention"] == sheets[1]["prompt"]["attention"]  # same weights, two layouts
+    assert main(["inspect", str(hf_dir), "--prompt", "Hi", "--mode", "decode"]) == 2
+    assert "--prompt runs one full forward" in capsys.readouterr().err
+    assert main(["inspect", str(hf_dir), "--prompt", "Hi", "--head", "2.0"]) == 2
+    assert "layers 0..1" in capsys.readouterr().err
+    assert main(["inspect", "gpt2", "--head", "1.0"]) == 2
+    assert "needs --prompt" in capsys.readouterr().err
+
+
+def test_cli_prompt_on_a_preset_at_random_init(capsys):
+    assert main(["inspect", "gpt2", "--prompt", "The cat sat", "--top-k", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "preset gpt2 at random init (seed 0)" in out and "prompt tokens: 0:The 1:\u2423cat 2:\u2423sat" in out
+    assert "layer 11:" in out and "mean / std / max|x|" in out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed (Debian package: chromium)")
+def test_prompt_page_renders_attention_maps_in_chromium(tmp_path):
+    """Run with --basetemp DIR to keep the screenshot (DIR/test_prompt_page_*0/prompt.png) and look at it."""
+    from conftest import save_hf_model
+    save_hf_model(tmp_path / "hf", seed=0, vocab_size=50257, n_layer=3, n_head=4, n_embd=32)
+    html_text = render_sheet(InspectConfig(model=str(tmp_path / "hf"), prompt="The quick brown fox jumps over the dog",
+                                           format="html", head="2.1"))
+    assert "http://" not in html_text.replace('xmlns="http://www.w3.org/2000/svg"', "")
+    assert "https://" not in html_text and "<script" not in html_text
+    assert html_text.count('class="attn-small"') == 3 * 4 and html_text.count('class="attn-large"') == 1
+    assert html_text.count('data-head="2.1"') == 2 and "<h2>Logit lens</h2>" in html_text
+    assert html_text.count('<td class="s stats">') == sum(1 for _ in architecture_sheet(
+        model_for_sheet(GPT.from_pretrained(str(tmp_path / "hf")).config), "full", seq=8)["ops"])
+    page = tmp_path / "prompt.html"
+    page.write_text(html_text)
+    png = tmp_path / "prompt.png"
+    subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                    f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={png}", "--window-size=1400,1800",
+                    page.as_uri()], check=True, capture_output=True, timeout=90)
+    pixels = _png_pixels(png)
+    assert pixels.shape[:2] == (1800, 1400)
+    # the attention squares: the attention blue at full opacity (the diagonal of the first query: p = 1)
+    # and lighter shades of it; the block diagram above the maps holds one Attention box of ~118 x 64
+    blue = [int(COLORS["attention"][i:i + 2], 16) for i in (1, 3, 5)]
+    solid = int((abs(pixels - blue).sum(-1) <= 6).sum())
+    assert solid > 118 * 64 + 2 * 3 * 4 * 8  # more than the diagram's box: the maps' p = 1 squares
+    below = pixels[450:]  # under the block diagram: the prompt, the maps and the logit lens
+    tinted = ((below[..., 2] > below[..., 0] + 30) & (below[..., 2] > 150)).sum()  # blue-ish shades
+    assert tinted > 5000

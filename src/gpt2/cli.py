@@ -10,6 +10,7 @@
     gpt2 serve --model gpt2                             # OpenAI-compatible /v1/completions
     gpt2 eval perplexity --model gpt2 wiki.test.raw     # also: eval lambada, eval hellaswag
     gpt2 inspect gpt2 --mode decode --past 1023         # the architecture sheet
+    gpt2 inspect gpt2 --prompt "The cat" --format html  # ... and what a model computes on a prompt
 
 Each subcommand has an `add_<name>_parser(subparsers)` that declares its flags and a `cmd_<name>(args)`
 that turns them into one config and one library call. Flag choices come from the tables that own
@@ -179,13 +180,19 @@ def add_inspect_parser(sub):
     p.add_argument("--dtype", choices=list(DTYPES), default="float32",
                    help="activation and KV-cache dtype for the byte counts")
     p.add_argument("--format", choices=FORMATS, default="text")
+    p.add_argument("--prompt", default=None,
+                   help="run the model on this text (a preset at random init, a directory with its weights): "
+                        "activation statistics per op, attention maps (html, json) and the logit lens")
+    p.add_argument("--head", default=None, metavar="LAYER.HEAD",
+                   help="with --prompt: the attention map drawn large (default 0.0)")
+    p.add_argument("--top-k", type=int, default=5, help="with --prompt: next tokens per layer in the logit lens")
     p.set_defaults(func=cmd_inspect)
 
 
 def cmd_inspect(args):
     from gpt2.inspect import InspectConfig, render_sheet
     cfg = InspectConfig(model=args.model, mode=args.mode, batch=args.batch, seq=args.seq, past=args.past,
-                        dtype=args.dtype, format=args.format)
+                        dtype=args.dtype, format=args.format, prompt=args.prompt, head=args.head, top_k=args.top_k)
     print(render_sheet(cfg))
 
 

@@ -9,12 +9,23 @@
     sheet = inspect_model("gpt2-xl", mode="decode")                      # a preset or directory, no weights read
     text = render_sheet(InspectConfig(model="gpt2", mode="decode"))      # what `gpt2 inspect` prints
 
+and what a model computes on real tokens (forward hooks, registered only for that one call):
+
+    gpt2 inspect gpt2 --prompt "The cat sat on the" --format html --head 5.1 > cat.html
+    acts = capture(model, idx)                                     # every point: embedding, h.3.attn.probs, ...
+    acts = capture(model, idx, ["logits"], patch={"h.5.attn.probs": zero_head})   # an ablation
+    probs, ids = logit_lens(model, acts, top_k=5)                  # (n_layer, B, T, 5) each
+
 It presents GPT-2 as the seeds do: each operation with its formula, its input and output shapes on
 named axes ([B batch, 12 heads, T queries, T keys]), its parameter tensors, whether it acts only in
 training, plus its forward FLOPs and the bytes of its output. The sheet is built from the model's
 real module tree (parameter tensors and counts come from the nn.Parameters; the attention mask from
 GPT.attention_mask_for); tests/test_inspect.py runs real forwards with hooks in all four modes and
 checks every shape listed here against the shape observed.
+
+With a prompt (prompt_sheet), each op also shows the mean, standard deviation and max |x| of the
+tensor it produced, the page adds every head's attention map and the logit lens, and the JSON
+carries the same numbers under "prompt" and each op's "stats".
 
 The four modes are the four ways GPT.forward is called:
     full      model(idx): T positions, logits for all of them, dropout is the identity
@@ -80,10 +91,18 @@ class InspectConfig:
     past: int | None = None          # P cached positions (default: 0; decode: n_positions - 1)
     dtype: str = "float32"           # activation and KV-cache dtype, for the byte counts
     format: str = "text"             # one of FORMATS
+    prompt: str | None = None        # run the model on this text: activations, attention maps, logit lens
+    head: str | None = None          # "LAYER.HEAD" drawn large (default 0.0); with a prompt
+    top_k: int = 5                   # logit lens: next tokens shown per layer
+    seed: int = 0                    # a preset with a prompt runs at random init from this seed
 
     def __post_init__(self):
         if self.format not in FORMATS:
             raise ConfigError(f"format must be one of {', '.join(FORMATS)}, got {self.format!r}")
+        if self.top_k < 1:
+            raise ConfigError(f"--top-k must be >= 1, got {self.top_k}")
+        if self.prompt is None and self.head is not None:
+            raise ConfigError("--head picks an attention map: it needs --prompt")
 
 
 @dataclass
@@ -392,9 +411,229 @@ def inspect_model(model_or_preset: str, mode: str = "full", batch: int = 1, seq:
 
 
 def render_sheet(cfg: InspectConfig) -> str:
-    """`gpt2 inspect`: the sheet of cfg.model in cfg.mode, formatted as cfg.format."""
-    sheet = inspect_model(cfg.model, cfg.mode, cfg.batch, cfg.seq, cfg.past, cfg.dtype)
+    """`gpt2 inspect`: the sheet of cfg.model in cfg.mode (or run on cfg.prompt), formatted as cfg.format."""
+    if cfg.prompt is not None:
+        sheet = inspect_prompt(cfg)
+    else:
+        sheet = inspect_model(cfg.model, cfg.mode, cfg.batch, cfg.seq, cfg.past, cfg.dtype)
     return FORMATTERS[cfg.format](sheet)
+
+
+# ---------------------------------------------------------------------------------------------
+# live activations: capture, patching, the logit lens
+# ---------------------------------------------------------------------------------------------
+
+# Each capture point: (name, module in model.named_modules() with {i} for the block, which tensor).
+# "output" is what the module returns; "input" is its first argument (for points with no module of
+# their own: the heads merged are attn.c_proj's input, the activation is mlp.c_proj's input).
+# The module "" is the GPT itself: its return value is the logits.
+GLOBAL_POINTS = {"embedding": ("transformer.drop", "input"),        # x0 = wte[idx] + wpe[pos], (B, T, C)
+                 "ln_f": ("transformer.ln_f", "output"),            # (B, T, C)
+                 "logits": ("", "output")}                          # (B, T, V)
+BLOCK_POINTS = {
+    "ln_1": ("transformer.h.{i}.ln_1", "output"),                   # (B, T, C)
+    "attn.qkv": ("transformer.h.{i}.attn.c_attn", "output"),        # (B, T, 3C): q, k, v of all heads
+    "attn.scores": ("transformer.h.{i}.attn.scores", "output"),     # (B, nh, T, T), scaled, before the mask
+    "attn.probs": ("transformer.h.{i}.attn.probs", "output"),       # (B, nh, T, T), softmax over keys
+    "attn.merged": ("transformer.h.{i}.attn.c_proj", "input"),      # (B, T, C): heads merged, nh blocks of hs
+    "attn.out": ("transformer.h.{i}.attn.c_proj", "output"),        # (B, T, C): the attention's c_proj
+    "resid_mid": ("transformer.h.{i}.resid_mid", "output"),         # (B, T, C): x + attention
+    "ln_2": ("transformer.h.{i}.ln_2", "output"),                   # (B, T, C)
+    "mlp.fc": ("transformer.h.{i}.mlp.c_fc", "output"),             # (B, T, 4C): before the activation
+    "mlp.act": ("transformer.h.{i}.mlp.c_proj", "input"),           # (B, T, 4C): after it
+    "mlp.out": ("transformer.h.{i}.mlp.c_proj", "output"),          # (B, T, C): the MLP's c_proj
+    "resid_post": ("transformer.h.{i}", "output"),                  # (B, T, C): the block's output
+}
+EXPLICIT_POINTS = ("attn.scores", "attn.probs")  # exist only on the explicit attention path
+
+
+def capture_points(n_layer: int) -> dict[str, tuple[str, str]]:
+    """Every capture point in the order forward reaches it: name -> (module name, "input" or "output")."""
+    points = {"embedding": GLOBAL_POINTS["embedding"]}
+    for i in range(n_layer):
+        for suffix, (module, side) in BLOCK_POINTS.items():
+            points[f"h.{i}.{suffix}"] = (module.format(i=i), side)
+    points["ln_f"] = GLOBAL_POINTS["ln_f"]
+    points["logits"] = GLOBAL_POINTS["logits"]
+    return points
+
+
+def capture(model: nn.Module, idx: torch.Tensor, names=None, patch: dict | None = None) -> dict[str, torch.Tensor]:
+    """Run model(idx) once and return the activations at `names` (default: every capture point).
+
+    names: capture points, e.g. "embedding", "h.3.ln_1", "h.3.attn.scores", "h.3.attn.probs",
+    "h.3.attn.out", "h.3.resid_mid", "h.3.mlp.act", "h.3.resid_post", "ln_f", "logits"
+    (capture_points lists them all). patch: {name: fn}; fn(tensor) returns the tensor that flows on
+    (or edits it in place and returns None): an ablation. A captured tensor is the one after its patch.
+
+    It works through forward hooks, registered for this call only and removed afterwards. Scores and
+    probabilities exist on the explicit attention path, so the blocks they name use it for this call
+    (it computes what scaled_dot_product_attention does, to float32 rounding) and get use_sdpa back.
+    The model's train()/eval() mode is left as it is; gradients flow if enabled (wrap in no_grad).
+    """
+    points = capture_points(model.config.n_layer)
+    names = list(points) if names is None else [names] if isinstance(names, str) else list(names)
+    patch = dict(patch or {})
+    unknown = [n for n in [*names, *patch] if n not in points]
+    if unknown:
+        raise ConfigError(f"unknown capture point(s) {', '.join(map(repr, unknown))}; the points are "
+                          f"embedding, h.{{i}}.{', h.{i}.'.join(BLOCK_POINTS)}, ln_f and logits "
+                          f"(i < n_layer={model.config.n_layer})")
+    captured: dict[str, torch.Tensor] = {}
+    explicit = sorted({int(n.split(".")[1]) for n in [*names, *patch] if n.endswith(EXPLICIT_POINTS)})
+    attns = [model.transformer.h[i].attn for i in explicit]
+    saved = [attn.use_sdpa for attn in attns]
+    handles = []
+    try:
+        for attn in attns:
+            attn.use_sdpa = False
+        for name in dict.fromkeys([*names, *patch]):
+            module_name, side = points[name]
+            module = model.get_submodule(module_name)  # "" is the model itself
+            handles.append(_hook(module, side, name, name in names, patch.get(name), captured))
+        model(idx)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for attn, use_sdpa in zip(attns, saved):
+            attn.use_sdpa = use_sdpa
+    return {name: captured[name] for name in names}
+
+
+def _hook(module: nn.Module, side: str, name: str, keep: bool, fn, captured: dict):
+    def apply(x):
+        if fn is not None:
+            y = fn(x)
+            x = x if y is None else y
+        if keep:
+            captured[name] = x.detach()
+        return x
+    if side == "input":
+        return module.register_forward_pre_hook(lambda m, args: (apply(args[0]), *args[1:]))
+    return module.register_forward_hook(lambda m, args, out: apply(out))
+
+
+def lens_logits(model: nn.Module, resid: torch.Tensor) -> torch.Tensor:
+    """ln_f + lm_head applied to a residual stream (B, T, C): the logits (B, T, V) it would give if it were the last."""
+    return model.lm_head(model.transformer.ln_f(resid))[..., : model.config.vocab_size]
+
+
+def logit_lens(model: nn.Module, captured: dict[str, torch.Tensor], top_k: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probabilities, token ids), each (n_layer, B, T, top_k): each layer's resid_post read by ln_f + lm_head.
+
+    captured holds h.{i}.resid_post for every layer (capture's default). The last layer's row is the
+    model's own next-token distribution.
+    """
+    probs, ids = [], []
+    with torch.no_grad():
+        for i in range(model.config.n_layer):
+            p, t = lens_logits(model, captured[f"h.{i}.resid_post"]).float().softmax(-1).topk(top_k, dim=-1)
+            probs.append(p)
+            ids.append(t)
+    return torch.stack(probs), torch.stack(ids)
+
+
+def activation_stats(x: torch.Tensor) -> dict:
+    """mean, standard deviation and max |x| of one activation, in float32."""
+    x = x.detach().float()
+    return {"mean": x.mean().item(), "std": x.std(unbiased=False).item(), "max_abs": x.abs().max().item()}
+
+
+def _point_of_op(op: dict, adds_seen: dict) -> str | None:
+    """The capture point whose tensor is this sheet op's output (dropout: its input, as in eval); None: not captured."""
+    name, i, module = op["name"], op["block"], op["module"] or ""
+    if i is None:
+        return {"embedding": "embedding", "embedding dropout": "embedding", "ln_f": "ln_f",
+                "lm_head": "logits"}.get(name)
+    if name == "residual add":
+        adds_seen[i] = adds_seen.get(i, 0) + 1
+        return f"h.{i}.{'resid_mid' if adds_seen[i] == 1 else 'resid_post'}"
+    if name == "c_proj":
+        return f"h.{i}.{'attn.out' if '.attn.' in module else 'mlp.out'}"
+    suffix = {"ln_1": "ln_1", "qkv projection": "attn.qkv", "head split": "attn.qkv", "scores": "attn.scores",
+              "softmax": "attn.probs", "attention-weight dropout": "attn.probs", "weighted sum": "attn.merged",
+              "head merge": "attn.merged", "residual dropout": "attn.out", "ln_2": "ln_2", "c_fc": "mlp.fc",
+              "MLP dropout": "mlp.out"}.get(name)
+    if suffix is None and op["kind"] == "mlp" and module.endswith(".mlp"):
+        suffix = "mlp.act"  # the activation's op (GELU, ReLU)
+    return None if suffix is None else f"h.{i}.{suffix}"
+
+
+def parse_head(head: str | None, config: GPTConfig) -> tuple[int, int]:
+    """"LAYER.HEAD" (e.g. "5.1") -> (5, 1), checked against the config; None -> (0, 0)."""
+    if head is None:
+        return 0, 0
+    try:
+        layer, h = (int(part) for part in head.split("."))
+    except ValueError:
+        raise ConfigError(f"--head is LAYER.HEAD, e.g. 5.1; got {head!r}") from None
+    if not (0 <= layer < config.n_layer and 0 <= h < config.n_head):
+        raise ConfigError(f"--head {head}: this model has layers 0..{config.n_layer - 1} and heads 0..{config.n_head - 1}")
+    return layer, h
+
+
+def prompt_sheet(model: nn.Module, ids: list[int], token_text=str, head: tuple[int, int] = (0, 0), top_k: int = 5,
+                 source: str | None = None, text: str | None = None) -> dict:
+    """The sheet of one full forward over `ids` (batch 1), with what the model computed on them.
+
+    Every op gains "capture" (its capture point, or None) and "stats" (mean, std, max |x| of its output);
+    the sheet gains "prompt": the tokens, every layer's attention probabilities (n_layer, n_head, T, T),
+    the head to draw large, and the logit lens (top_k next tokens per layer and position).
+    token_text(id) -> str labels a token (the tokenizer's decode of that one id).
+    """
+    config = model.config
+    if not ids:
+        raise ConfigError("the prompt encodes to no tokens")
+    if max(ids) >= config.vocab_size:
+        raise ConfigError(f"token id {max(ids)} is outside this model's vocabulary of {config.vocab_size}")
+    layer, h = head
+    parameter = model.transformer.wte.weight
+    sheet = architecture_sheet(model, "full", batch=1, seq=len(ids), dtype=parameter.dtype, source=source)
+    with torch.no_grad():
+        acts = capture(model, torch.tensor([ids], device=parameter.device))
+    adds: dict = {}
+    for op in sheet["ops"]:
+        op["capture"] = _point_of_op(op, adds)
+        op["stats"] = activation_stats(acts[op["capture"]]) if op["capture"] else None
+    probs, top = logit_lens(model, acts, top_k)  # (n_layer, 1, T, k)
+    attention = torch.stack([acts[f"h.{i}.attn.probs"][0] for i in range(config.n_layer)])  # (n_layer, nh, T, T)
+    sheet["prompt"] = {
+        "text": text,
+        "ids": list(ids),
+        "tokens": [token_text(t) for t in ids],
+        "head": [layer, h],
+        "attention": attention.float().round(decimals=4).tolist(),
+        "logit_lens": {"top_k": top_k, "layers": [
+            [[{"id": t, "token": token_text(t), "p": float(f"{p:.4g}")} for t, p in zip(ts, ps)]
+             for ts, ps in zip(top[i, 0].tolist(), probs[i, 0].tolist())]
+            for i in range(config.n_layer)]},
+    }
+    return sheet
+
+
+def load_for_prompt(name_or_path: str, dtype: str = "float32", seed: int = 0):
+    """(model, tokenizer, source) for `gpt2 inspect --prompt`: a preset at random init, or the weights of a directory."""
+    from gpt2.model import GPT
+    from gpt2.tokenizer import Tokenizer
+    resolved = resolve_config(name_or_path)
+    if resolved.directory is None:
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model = GPT(resolved.config)
+        return model.to(parse_dtype(dtype)).eval(), Tokenizer.gpt2(), f"{resolved.source} at random init (seed {seed})"
+    model = GPT.from_pretrained(str(resolved.directory), dtype=dtype)
+    return model.eval(), Tokenizer.from_pretrained(resolved.directory), resolved.source
+
+
+def inspect_prompt(cfg: "InspectConfig") -> dict:
+    """`gpt2 inspect MODEL --prompt TEXT`: prompt_sheet of cfg.model on cfg.prompt."""
+    if cfg.mode != "full" or cfg.batch != 1 or cfg.seq is not None or cfg.past:
+        raise ConfigError("--prompt runs one full forward over the prompt's tokens: "
+                          "leave --mode (full), --batch, --seq and --past unset")
+    model, tokenizer, source = load_for_prompt(cfg.model, cfg.dtype, cfg.seed)
+    ids = tokenizer.encode(cfg.prompt)
+    return prompt_sheet(model, ids, lambda t: tokenizer.decode([t]), parse_head(cfg.head, model.config), cfg.top_k,
+                        source, text=cfg.prompt)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -463,25 +702,56 @@ def _tensor_names(op: dict) -> str:
     return " ".join(names)
 
 
+def _stats_str(op: dict) -> str:
+    st = op.get("stats")
+    return "" if not st else f"{st['mean']:.3g} / {st['std']:.3g} / {st['max_abs']:.3g}"
+
+
 def _rows(sheet: dict) -> list[list[str]]:
     rows = []
     for n, op in enumerate(sheet["ops"]):
         name = op["name"] + (f" ({op['module'].split('.')[-2]})" if op["name"] == "c_proj" else "")  # attn or mlp
         rows.append([str(n), "" if op["block"] is None else str(op["block"]), name,
-                     shape_str(op["output_shape"], op["axes"]), _tensor_names(op),
-                     f"{op['parameters']:,}" if op["parameters"] else "",
-                     f"{op['flops']:,}", _bytes(op["activation_bytes"]), _flags(op)])
+                     shape_str(op["output_shape"], op["axes"])]
+                    + ([_stats_str(op)] if "prompt" in sheet else [])
+                    + [_tensor_names(op), f"{op['parameters']:,}" if op["parameters"] else "",
+                       f"{op['flops']:,}", _bytes(op["activation_bytes"]), _flags(op)])
     return rows
 
 
 HEADER = ["#", "block", "op", "output shape", "parameter tensors", "params", "FLOPs", "output bytes", "notes"]
+STATS_HEADER = "mean / std / max|x|"  # with a prompt, beside the output shape
+
+
+def _header(sheet: dict) -> list[str]:
+    return HEADER[:4] + [STATS_HEADER] + HEADER[4:] if "prompt" in sheet else HEADER
+
+
+def _visible(token: str) -> str:
+    """A token as a label: spaces and newlines made visible."""
+    return token.replace(" ", "\u2423").replace("\n", "\u21b5").replace("\t", "\u21e5")
+
+
+def _prompt_lines(sheet: dict) -> list[str]:
+    """The prompt's tokens and, for its last position, every layer's logit-lens top-k."""
+    prompt = sheet["prompt"]
+    tokens = prompt["tokens"]
+    lines = ["prompt tokens: " + " ".join(f"{i}:{_visible(t)}" for i, t in enumerate(tokens)), "",
+             f"logit lens at position {len(tokens) - 1} ({_visible(tokens[-1])}): the top {prompt['logit_lens']['top_k']} "
+             "next tokens from each layer's resid_post through ln_f + lm_head"]
+    for i, positions in enumerate(prompt["logit_lens"]["layers"]):
+        lines.append(f"  layer {i:>2}: " + "  ".join(f"{_visible(e['token'])} {e['p']:.3g}" for e in positions[-1]))
+    return lines
 
 
 def format_text(sheet: dict) -> str:
-    rows = [HEADER] + _rows(sheet)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
-    right = {0, 1, 5, 6, 7}
+    header = _header(sheet)
+    rows = [header] + _rows(sheet)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    right = {header.index(h) for h in ("#", "block", "params", "FLOPs", "output bytes")}
     lines = _summary_lines(sheet) + [""]
+    if "prompt" in sheet:
+        lines += _prompt_lines(sheet) + [""]
     for r in rows:
         lines.append("  ".join(cell.rjust(w) if i in right else cell.ljust(w)
                                for i, (cell, w) in enumerate(zip(r, widths))).rstrip())
@@ -489,9 +759,12 @@ def format_text(sheet: dict) -> str:
 
 
 def format_markdown(sheet: dict) -> str:
+    header = _header(sheet)
     lines = [f"- {line}" for line in _summary_lines(sheet)] + [""]
-    lines.append("| " + " | ".join(HEADER) + " |")
-    lines.append("|" + "|".join(" --- " for _ in HEADER) + "|")
+    if "prompt" in sheet:
+        lines += ["```"] + _prompt_lines(sheet) + ["```", ""]
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("|" + "|".join(" --- " for _ in header) + "|")
     for r in _rows(sheet):
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in r) + " |")
     return "\n".join(lines)
@@ -604,8 +877,92 @@ def _html_row(n: int, op: dict) -> str:
             f'<td>{"" if op["block"] is None else op["block"]}</td><td><b>{html.escape(op["name"])}</b></td>'
             f'<td class="f">{html.escape(op["formula"])}</td><td class="s">{inputs}</td>'
             f'<td class="s">{html.escape(shape_str(op["output_shape"], op["axes"]))}</td>'
+            + (f'<td class="s stats">{html.escape(_stats_str(op))}</td>' if "stats" in op else "") +
             f'<td class="s">{params}</td><td class="n">{op["parameters"]:,}</td><td class="n">{op["flops"]:,}</td>'
             f'<td class="n">{_bytes(op["activation_bytes"])}</td><td>{html.escape(_flags(op))}</td></tr>')
+
+
+def _heatmap(probs: list[list[float]], cell: float, cls: str, labels: list[str] | None = None,
+             outline: bool = False, data: str = "") -> str:
+    """One head's attention (T queries x T keys) as an SVG of squares, opacity = probability.
+
+    With labels: the query tokens down the left, the key tokens along the top, a tooltip per square.
+    """
+    T = len(probs)
+    left, top = (96, 84) if labels else (0, 0)
+    size = cell * T
+    right = 64 if labels else 0  # room for the last key label, rotated up to the right
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="{cls}"{data} width="{left + size + right + 2:.0f}" '
+             f'height="{top + size + 2:.0f}" font-family="monospace" font-size="{min(12, max(8, cell * 0.6)):.0f}">',
+             f'<rect x="{left}" y="{top}" width="{size:.1f}" height="{size:.1f}" fill="#fff" '
+             f'stroke="{"#d7263d" if outline else "#bbb"}" stroke-width="{2 if outline else 1}"/>',
+             f'<g fill="{COLORS["attention"]}">']
+    for q, row in enumerate(probs):
+        for k, p in enumerate(row):
+            if p < 0.005 and not labels:
+                continue  # invisible anyway; keeps a grid of many heads small
+            tip = (f'<title>{html.escape(_visible(labels[q]))} -> {html.escape(_visible(labels[k]))}: {p:.3f}</title>'
+                   if labels else "")
+            parts.append(f'<rect x="{left + k * cell:.1f}" y="{top + q * cell:.1f}" width="{cell:.1f}" '
+                         f'height="{cell:.1f}" fill-opacity="{p:.3f}">{tip}</rect>' if tip else
+                         f'<rect x="{left + k * cell:.1f}" y="{top + q * cell:.1f}" width="{cell:.1f}" '
+                         f'height="{cell:.1f}" fill-opacity="{p:.3f}"/>')
+    parts.append("</g>")
+    if labels:
+        for i, token in enumerate(labels):
+            label = html.escape(_visible(token)[:12])
+            c = (i + 0.5) * cell
+            parts.append(f'<text x="{left - 4}" y="{top + c + 4:.1f}" text-anchor="end">{label}</text>'
+                         f'<text transform="translate({left + c + 4:.1f},{top - 4}) rotate(-60)">{label}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _attention_html(prompt: dict) -> str:
+    """The layer x head grid of small maps, and the chosen head drawn large with its tokens."""
+    attention, tokens = prompt["attention"], prompt["tokens"]
+    layer, head = prompt["head"]
+    T = len(tokens)
+    small = max(1.0, min(8.0, 64 / T))
+    head_cells = "".join(f"<th>head {h}</th>" for h in range(len(attention[0])))
+    rows = []
+    for i, heads in enumerate(attention):
+        cells = "".join("<td>" + _heatmap(p, small, "attn-small", outline=(i, h) == (layer, head),
+                                          data=f' data-head="{i}.{h}"') + "</td>" for h, p in enumerate(heads))
+        rows.append(f"<tr><th>layer {i}</th>{cells}</tr>")
+    big = max(6.0, min(28.0, 640 / T))
+    return (f'<h2>Attention</h2><p class="note">Each square: how much a query (row) attends to a key (column), '
+            f'after the softmax; each row sums to 1 and keys after the query get 0 (the causal mask). '
+            f'Outlined: layer {layer}, head {head}, drawn large below.</p>'
+            f'<table class="grid"><tr><th></th>{head_cells}</tr>{"".join(rows)}</table>'
+            f'<h3>layer {layer}, head {head}</h3>'
+            + _heatmap(attention[layer][head], big, "attn-large", labels=tokens, data=f' data-head="{layer}.{head}"'))
+
+
+def _lens_html(prompt: dict) -> str:
+    """Logit lens: per layer and position the top next token (shade = probability, tooltip: top k),
+    then the last position's top k per layer."""
+    lens, tokens = prompt["logit_lens"], prompt["tokens"]
+    k = lens["top_k"]
+    head = "".join(f"<th>{html.escape(_visible(t))}</th>" for t in tokens)
+
+    def cell(entries):
+        top = entries[0]
+        tip = html.escape(", ".join(f"{_visible(e['token'])} {e['p']:.3g}" for e in entries))
+        return (f'<td title="{tip}" style="background: rgba(91,95,151,{top["p"]:.3f})">'
+                f'{html.escape(_visible(top["token"]))}<br><small>{top["p"]:.3g}</small></td>')
+    grid = "".join(f"<tr><th>layer {i}</th>{''.join(cell(e) for e in positions)}</tr>"
+                   for i, positions in enumerate(lens["layers"]))
+    last = "".join(f"<tr><th>layer {i}</th>" + "".join(
+        f'<td style="background: rgba(91,95,151,{e["p"]:.3f})">{html.escape(_visible(e["token"]))} '
+        f'<small>{e["p"]:.3g}</small></td>' for e in positions[-1]) + "</tr>"
+        for i, positions in enumerate(lens["layers"]))
+    return (f'<h2>Logit lens</h2><p class="note">Each layer\'s residual stream (resid_post) read through ln_f and '
+            f'lm_head, as if it were the last layer: the most likely next token after each position (hover: top {k}). '
+            f'The last layer\'s row is the model\'s own prediction.</p>'
+            f'<table class="lens"><tr><th>after</th>{head}</tr>{grid}</table>'
+            f'<h3>top {k} after the last token, {html.escape(_visible(tokens[-1]))}</h3>'
+            f'<table class="lens-last"><tr><th></th>{"".join(f"<th>{r + 1}</th>" for r in range(k))}</tr>{last}</table>')
 
 
 def format_html(sheet: dict) -> str:
@@ -613,22 +970,33 @@ def format_html(sheet: dict) -> str:
     rows = [_html_row(n, op) for n, op in enumerate(sheet["ops"])]
     summary = "".join(f"<li>{html.escape(line)}</li>" for line in _summary_lines(sheet))
     title = f"GPT-2 architecture sheet: {sheet['model'] or 'GPT'}, {sheet['mode']}"
+    prompt = sheet.get("prompt")
+    live = ""
+    if prompt:
+        tokens = "".join(f'<span class="tok">{html.escape(_visible(t))}</span>' for t in prompt["tokens"])
+        live = f'<h2>Prompt</h2><p>{tokens}</p>' + _attention_html(prompt) + _lens_html(prompt) + "<h2>Every op</h2>"
+    stats_th = f"<th>{STATS_HEADER}</th>" if prompt else ""
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>
 body {{ font-family: sans-serif; margin: 24px; color: #222; }}
-h1 {{ font-size: 22px; }} ul {{ font-size: 14px; }}
+h1 {{ font-size: 22px; }} h2 {{ font-size: 18px; margin-top: 28px; }} h3 {{ font-size: 15px; }} ul {{ font-size: 14px; }}
 table {{ border-collapse: collapse; font-size: 12px; }}
 th, td {{ border-bottom: 1px solid #ddd; padding: 3px 8px; vertical-align: top; text-align: left; }}
 th {{ background: #f4f4f4; position: sticky; top: 0; }}
 td.n {{ text-align: right; font-variant-numeric: tabular-nums; }}
 td.s, td.f {{ font-family: monospace; }}
 tr.train td {{ background: #fff6e0; }}
+table.grid td, table.grid th {{ padding: 2px; border: none; font-size: 11px; }}
+table.lens td, table.lens-last td {{ font-family: monospace; border: 1px solid #eee; }}
+span.tok {{ font-family: monospace; background: #eef3fb; border: 1px solid #c9d8ef; padding: 1px 3px; margin: 1px; }}
+p.note {{ font-size: 13px; color: #444; max-width: 900px; }}
 </style></head><body>
 <h1>{html.escape(title)}</h1>
 <ul>{summary}</ul>
 {_block_diagram(sheet)}
-<table><thead><tr><th>#</th><th>block</th><th>op</th><th>formula</th><th>in</th><th>out</th>
+{live}
+<table><thead><tr><th>#</th><th>block</th><th>op</th><th>formula</th><th>in</th><th>out</th>{stats_th}
 <th>parameter tensors</th><th>params</th><th>FLOPs</th><th>output bytes</th><th>notes</th></tr></thead>
 <tbody>{"".join(rows)}</tbody></table>
 </body></html>

@@ -66,6 +66,10 @@ class CausalSelfAttention(nn.Module):
         # scaled_dot_product_attention computes the same function; the explicit path is kept for
         # float32 upcasting and for tests that replay Transformers' dropout masks draw for draw.
         self.use_sdpa = True
+        # Hook points for inspect.capture on the explicit path (identities: nothing runs but a call):
+        # the scaled scores before the mask and the probabilities before dropout, both (B, nh, T, S).
+        self.scores = nn.Identity()
+        self.probs = nn.Identity()
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, mask: torch.Tensor | None = None):
         B, T, C = x.shape
@@ -91,11 +95,11 @@ class CausalSelfAttention(nn.Module):
         T, S = q.size(2), k.size(2)
         if self.upcast:
             q, k = q.float(), k.float()
-        scores = (q @ k.transpose(-2, -1)) * self.scale  # (B, nh, T, S)
+        scores = self.scores((q @ k.transpose(-2, -1)) * self.scale)  # (B, nh, T, S)
         if mask is None:
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        probs = F.softmax(scores, dim=-1).to(v.dtype)
+        probs = self.probs(F.softmax(scores, dim=-1).to(v.dtype))
         probs = self.attn_dropout(probs)
         return probs @ v  # (B, nh, T, hs)
 
@@ -119,9 +123,10 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, layer_idx)
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = MLP(config)
+        self.resid_mid = nn.Identity()  # hook point for inspect.capture: x after the attention's residual add
 
     def forward(self, x, cache=None, mask=None):
-        x = x + self.attn(self.ln_1(x), cache, mask)
+        x = self.resid_mid(x + self.attn(self.ln_1(x), cache, mask))
         x = x + self.mlp(self.ln_2(x))
         return x
 
