@@ -257,7 +257,7 @@ def measure_shape(precision: str, out_features: int, in_features: int, activatio
         copies = _copies(fmt, w, bias, tensors)
         b = bias.to(dtype)
         for name, path in fmt.paths.items():
-            regimes = ("decode",) if name in fmt.dynamic_paths else REGIMES
+            regimes = ("decode",) if name in fmt.one_row_paths else REGIMES
             why = _check(path, tensors, b, activation, reference, bias, inputs, regimes, precision,
                          name in fmt.dynamic_paths)
             if why:
@@ -286,8 +286,8 @@ def _unwrap(tensors: dict) -> dict:
 def _check(path, tensors, b, activation, reference, bias, inputs, regimes, precision, dynamic) -> str | None:
     """None if the path computes act(x W^T + b) within its precision's rounding at each regime's rows.
 
-    The bound, per output: tol * (|x| @ |W|^T + |b|), plus for dynamically quantized activations half
-    a quantization step of x (max|x| / 127 / 2) times sum_k |W|. The reference is float64.
+    The bound, per output: tol * (|x| @ |W|^T + |b|), plus for activations quantized per token half a
+    quantization step of that row of x (max|x| / 254) times sum_k |W|. The reference is float64.
     """
     t = _unwrap(tensors)
     for r in regimes:
@@ -299,8 +299,8 @@ def _check(path, tensors, b, activation, reference, bias, inputs, regimes, preci
         xd = x.double()
         exact = xd @ reference.t() + bias.to(b.dtype).double()
         bound = TOLERANCE[precision] * (xd.abs() @ reference.abs().t() + bias.double().abs())
-        if dynamic:
-            bound = bound + xd.abs().amax() / 254 * reference.abs().sum(1)
+        if dynamic:  # half a quantization step of each row's x (255 levels over [-max, max]), times sum |W|
+            bound = bound + xd.abs().amax(dim=1, keepdim=True) / 254 * reference.abs().sum(1)
         if activation is not None:
             exact = torch.nn.functional.gelu(exact, approximate="tanh")  # GELU's slope is within [-0.17, 1.13]
             bound = 1.13 * bound + TOLERANCE[precision] * exact.abs()

@@ -19,8 +19,9 @@ functions (x (M, K), tensors) -> y (M, N). Every path of a format computes with 
   bfloat16  plain (F.linear), onednn
   int8      per output channel, w = q * s (symmetric):
               weight-only: _weight_int8pack_mm (bf16 activations), or dequantize + bf16/fp32 GEMM;
-              dynamic: fbgemm's / oneDNN's u8s8 GEMM (VNNI) with the activations quantized per call,
-              as llama.cpp's Q8_0 does
+              dynamic: fbgemm's / oneDNN's u8s8 GEMM (VNNI) with the activations quantized per token,
+              as llama.cpp's Q8_0 does (the kernel takes one scale per call: for several rows each row
+              is first scaled to max |x| = 1, "u8s8 per row")
   int4      per group of 32 along K, w = (q - 8) * s + z (asymmetric, PyTorch's tinygemm convention):
               _weight_int4pack_mm_for_cpu (bf16 activations) on CPU; elsewhere the nibbles are
               dequantized for a bf16 GEMM (on CPU that measured 2-50x slower, so it is not offered)
@@ -150,6 +151,15 @@ def _int8_dynamic(x, t, bias, activation):
     return _act(y if bias is None else y + bias.float(), activation).to(x.dtype)
 
 
+def _int8_dynamic_rows(x, t, bias, activation):
+    # Per-token quantization through the same per-call kernel: every row scaled to max |x| = 1 first,
+    # so the call's one scale fits each row as well as its own would; the product is scaled back.
+    x = x.float()
+    row_max = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)  # (M, 1)
+    y = torch.ops.quantized.linear_dynamic(x / row_max, t["packed"], False) * row_max
+    return _act(y if bias is None else y + bias.float(), activation).to(x.dtype)
+
+
 def _int4pack(x, t, bias, activation):
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), t["int4pack"], INT4_GROUP,
                                                    t["scales_zeros_padded"])[:, : t["out_features"]]
@@ -180,7 +190,8 @@ class WeightFormat:
     pack: Callable[[torch.Tensor, "torch.Tensor | None"], dict]   # (w (N, K) float32, bias) -> tensors
     reference_weight: Callable[[torch.Tensor, dict], torch.Tensor]  # (w float32, tensors) -> w it computes with, float64
     paths: dict[str, Path]
-    dynamic_paths: tuple[str, ...] = ()  # paths that quantize x per call: wider tolerance, decode only
+    dynamic_paths: tuple[str, ...] = ()   # paths that quantize x per token: a wider tolerance
+    one_row_paths: tuple[str, ...] = ()   # paths that quantize a whole call with one scale: decode only
     available: Callable[[], bool] = lambda: True
 
 
@@ -258,11 +269,15 @@ CPU_FORMATS: list[WeightFormat] = [
                   "dequant fp32": _int8_dequant(torch.float32)},
                  available=_has("aten", "_weight_int8pack_mm")),
     WeightFormat("dynamic fbgemm", "int8", _pack_int8_engine("fbgemm"), _int8_reference,
-                 {"u8s8 dynamic": _int8_dynamic, "int8pack_mm": _int8pack, "dequant bf16": _int8_dequant(torch.bfloat16)},
-                 dynamic_paths=("u8s8 dynamic",), available=_engine_available("fbgemm")),
+                 {"u8s8 dynamic": _int8_dynamic, "u8s8 per row": _int8_dynamic_rows, "int8pack_mm": _int8pack,
+                  "dequant bf16": _int8_dequant(torch.bfloat16)},
+                 dynamic_paths=("u8s8 dynamic", "u8s8 per row"), one_row_paths=("u8s8 dynamic",),
+                 available=_engine_available("fbgemm")),
     WeightFormat("dynamic onednn", "int8", _pack_int8_engine("onednn"), _int8_reference,
-                 {"u8s8 dynamic": _int8_dynamic, "int8pack_mm": _int8pack, "dequant bf16": _int8_dequant(torch.bfloat16)},
-                 dynamic_paths=("u8s8 dynamic",), available=_engine_available("onednn")),
+                 {"u8s8 dynamic": _int8_dynamic, "u8s8 per row": _int8_dynamic_rows, "int8pack_mm": _int8pack,
+                  "dequant bf16": _int8_dequant(torch.bfloat16)},
+                 dynamic_paths=("u8s8 dynamic", "u8s8 per row"), one_row_paths=("u8s8 dynamic",),
+                 available=_engine_available("onednn")),
     WeightFormat("int4pack", "int4", _pack_int4(packed=True, unpacked=False), _int4_reference, {"int4pack_mm": _int4pack},
                  available=_has("aten", "_weight_int4pack_mm_for_cpu")),
 ]
