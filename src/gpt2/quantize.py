@@ -133,7 +133,7 @@ def _mkl(x, t, bias, activation):
 
 
 def _int8pack(x, t, bias, activation):
-    y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), t["q"], t["scales"].to(torch.bfloat16))
+    y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), t["q"], t["scales_bf16"])
     return _act(y if bias is None else y + bias.to(y.dtype), activation).to(x.dtype)
 
 
@@ -201,7 +201,7 @@ def _has(namespace, op: str) -> Callable[[], bool]:
 
 def _pack_int8(w, bias):
     q, s = quantize_per_channel(w)
-    return {"q": q, "scales": s}
+    return {"q": q, "scales": s, "scales_bf16": s.to(torch.bfloat16)}  # the kernel's own dtype: no cast per call
 
 
 def _int8_reference(w, t):
@@ -210,7 +210,8 @@ def _int8_reference(w, t):
 
 def _pack_int8_engine(engine: str):
     def pack(w, bias):
-        q, s = quantize_per_channel(w)
+        tensors = _pack_int8(w, bias)  # the same q and s, so every path of the format computes with one weight
+        q, s = tensors["q"], tensors["scales"]
         qw = torch._make_per_channel_quantized_tensor(q, s.double(), torch.zeros_like(s, dtype=torch.long), 0)
         previous = torch.backends.quantized.engine
         torch.backends.quantized.engine = engine  # prepack for this engine only; restored at once
@@ -218,7 +219,7 @@ def _pack_int8_engine(engine: str):
             packed = torch.ops.quantized.linear_prepack(qw, None)
         finally:
             torch.backends.quantized.engine = previous
-        return {"q": q, "scales": s, "packed": _Packed(packed)}
+        return {**tensors, "packed": _Packed(packed)}
     return pack
 
 
