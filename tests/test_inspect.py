@@ -362,6 +362,15 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 @pytest.mark.slow
+def _screenshot(page, png, height: int, width: int = 1400):
+    """Headless Chromium's screenshot of a local page (offline: no network features), as pixels."""
+    subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                    f"--user-data-dir={png.parent / 'profile'}", f"--screenshot={png}",
+                    f"--window-size={width},{height}", page.as_uri()], check=True, capture_output=True, timeout=90)
+    return _png_pixels(png)
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed (Debian package: chromium)")
 def test_html_renders_block_diagram_in_chromium(tmp_path):
     page = tmp_path / "sheet.html"
@@ -369,12 +378,7 @@ def test_html_renders_block_diagram_in_chromium(tmp_path):
     assert "http://" not in html_text.replace('xmlns="http://www.w3.org/2000/svg"', "")
     assert "https://" not in html_text and "<script" not in html_text
     page.write_text(html_text)
-    png = tmp_path / "out.png"
-    subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                    f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={png}", "--window-size=1400,1000",
-                    page.as_uri()], check=True, capture_output=True, timeout=90)
-    pixels = _png_pixels(png)
+    pixels = _screenshot(page, tmp_path / "out.png", height=1000)
     assert pixels.shape[:2] == (1000, 1400)
 
     def count(color):
@@ -597,12 +601,7 @@ def test_prompt_page_renders_attention_maps_in_chromium(tmp_path):
         model_for_sheet(GPT.from_pretrained(str(tmp_path / "hf")).config), "full", seq=8)["ops"])
     page = tmp_path / "prompt.html"
     page.write_text(html_text)
-    png = tmp_path / "prompt.png"
-    subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                    f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={png}", "--window-size=1400,1800",
-                    page.as_uri()], check=True, capture_output=True, timeout=90)
-    pixels = _png_pixels(png)
+    pixels = _screenshot(page, tmp_path / "prompt.png", height=1800)
     assert pixels.shape[:2] == (1800, 1400)
     # the attention squares: the attention blue at full opacity (the diagonal of the first query: p = 1)
     # and lighter shades of it; the block diagram above the maps holds one Attention box of ~118 x 64
