@@ -36,7 +36,7 @@ import torch
 from gpt2.config import GPT2_EOT
 from gpt2.errors import ConfigError, ContextLengthError
 from gpt2.kv_cache import KVCache
-from gpt2.sampling import SamplingConfig, SamplingState, make_generators, next_tokens
+from gpt2.sampling import SamplingConfig, SamplingState, accept_drafts, draw, make_generators, next_tokens
 
 
 
@@ -49,14 +49,23 @@ class GenerationConfig:
     ignore_eos: bool = False                 # EOS is <|endoftext|> when the vocabulary is GPT-2's
     truncate: str | None = None              # None: a too-long prompt is an error; "left": keep its end
     compile: bool = False                    # decode with one torch.compile'd, fixed-shape step
+    draft: object = None                     # speculative decoding: a GPT with the same vocabulary,
+                                             # or "self:int8" / "self:int4" (the target's weights, quantized)
+    draft_tokens: int = 4                    # k: tokens the draft proposes per round (the first round's)
+    adaptive_draft: bool = True              # k grows after a round that kept every draft, shrinks otherwise
 
 
 def make_config(*, max_new_tokens=64, temperature=0.0, top_k=None, top_p=None, seed=None, stop_token_ids=None,
                 min_p=None, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, logit_bias=None,
-                ignore_eos=False, truncate=None, compile=False) -> GenerationConfig:
+                ignore_eos=False, truncate=None, compile=False, draft=None, draft_tokens=4,
+                adaptive_draft=True) -> GenerationConfig:
     """The keyword arguments of generate/stream as one GenerationConfig."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ConfigError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
+    if not isinstance(draft_tokens, int) or draft_tokens < 1:
+        raise ConfigError(f"draft_tokens must be a positive integer, got {draft_tokens!r}")
+    if draft is not None and compile:
+        raise ConfigError("compile=True decodes one token per step; it cannot be combined with a draft model")
     if truncate not in (None, "left"):
         raise ConfigError(f"truncate must be None or 'left', got {truncate!r}")
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -64,7 +73,8 @@ def make_config(*, max_new_tokens=64, temperature=0.0, top_k=None, top_p=None, s
                               presence_penalty=presence_penalty, logit_bias=dict(logit_bias or {}))
     return GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
                             stop_token_ids=list(stop_token_ids or []), ignore_eos=ignore_eos, truncate=truncate,
-                            compile=bool(compile))
+                            compile=bool(compile), draft=draft, draft_tokens=draft_tokens,
+                            adaptive_draft=bool(adaptive_draft))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,7 +141,11 @@ class Stream:
         config = model.config
         self.rows = check_prompts(prompts, cfg.max_new_tokens, config.n_positions, config.vocab_size, cfg.truncate)
         self.finish_reasons: list[str | None] = [None] * len(self.rows)
-        self._steps = self._run()
+        self.speculation: SpeculationStats | None = None  # with a draft: rounds, drafts proposed and kept
+        if cfg.draft is None:
+            self._steps = self._run()
+        else:
+            self._steps = self._speculate(resolve_draft(model, cfg.draft))
 
     def __iter__(self):
         return self
@@ -184,6 +198,30 @@ class Stream:
                 else:
                     mask_t = mask[:, : P + t + 1] if padded else None  # a view: no allocation
                     logits = model(ids.view(B, 1), cache=cache, attention_mask=mask_t)[:, -1]  # (B, V)
+
+    def _speculate(self, draft):
+        """Speculative decoding, round by round; one step per kept token, as _run yields them."""
+        N = self.cfg.max_new_tokens
+        if N == 0:
+            return
+        with torch.inference_mode():
+            spec = Speculation(self.model, draft, self.rows, self.cfg)
+        self.speculation = spec.stats
+        stops = stop_ids_for(self.model, self.cfg)
+        while True:
+            with torch.inference_mode():
+                live = torch.tensor([r is None for r in self.finish_reasons])
+                drafts, draft_probs = spec.propose(spec.draft_length())    # (B, k), (B, k, V) or None
+                target_logits = spec.verify(drafts)                        # (B, k + 1, V), processed
+                accepted, next_ids = accept_drafts(target_logits, draft_probs, drafts, self.cfg.sampling,
+                                                   spec.generators)        # (B,), (B,)
+                kept = spec.keep(drafts, accepted, next_ids, live)         # (B, n + 1), one n for all rows
+                first = spec.generated
+                spec.commit(kept, proposed=drafts.size(1))                 # append; roll both caches back
+            for t, column in enumerate(kept.t().tolist(), start=first):
+                yield self._bookkeep(column, stops, last=t == N - 1)
+                if all(r is not None for r in self.finish_reasons):
+                    return
 
     def _bookkeep(self, ids: list[int], stops: set[int], last: bool) -> list[int | None]:
         out = []
@@ -267,6 +305,191 @@ class StaticDecode:
         self.positions += 1
         self.slot += 1
         return logits
+
+
+# ---------------------------------------------------------------------------------------------
+# speculative decoding: a draft proposes k tokens, the target checks them in one forward
+# ---------------------------------------------------------------------------------------------
+
+SELF_DRAFTS = {"self:int8": "int8", "self:int4": "int4"}  # draft= strings: the target's weights, quantized
+MAX_DRAFT_TOKENS = 16  # adaptive k stays within [1, MAX_DRAFT_TOKENS]
+
+
+@dataclass
+class SpeculationStats:
+    rounds: int = 0
+    proposed: int = 0  # draft tokens proposed
+    accepted: int = 0  # of those, kept (in a batch: the fewest any live row kept that round)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        """Tokens per target forward: the kept drafts plus the target's own one."""
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+
+
+@dataclass
+class DraftLength:
+    """k for the next round. Adaptive, as Hugging Face's assisted generation does it: +2 after a round that
+    kept every draft, -1 after one that rejected some (a long draft then costs little when acceptance falls)."""
+    k: int
+    adaptive: bool = True
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if self.adaptive and proposed:
+            self.k = min(MAX_DRAFT_TOKENS, self.k + 2) if accepted == proposed else max(1, self.k - 1)
+
+
+class Speculation:
+    """What speculative decoding carries from round to round: both caches, the committed ids, the samplers.
+
+    seq (B, P + N) holds the committed ids, left-padded as `mask` is; `length` columns are committed.
+    The target's cache holds every committed id but the last, which the next verify feeds first. The
+    draft's cache holds at most as many: after a round that kept every draft it has not seen the last
+    draft, so each round starts by feeding it the committed ids it has not seen (one or two).
+    Every row moves in lockstep (one cache position for the batch), so a round keeps, in every row, as
+    many drafts as the live row that kept the fewest.
+    """
+
+    def __init__(self, target, draft, rows: list[list[int]], cfg: GenerationConfig):
+        B, P, N = len(rows), max(len(r) for r in rows), cfg.max_new_tokens
+        device = target.transformer.wte.weight.device
+        if P + N - 1 > draft.config.n_positions:
+            raise ContextLengthError(f"the draft's context is {draft.config.n_positions} tokens; this request needs "
+                                     f"{P + N - 1} (prompt {P} + max_new_tokens {N} - 1)")
+        self.target, self.draft, self.sampling = target, draft, cfg.sampling
+        prompt, self.mask = left_pad(rows, P + N, device)  # (B, P), (B, P + N)
+        self.padded = any(len(r) != P for r in rows)
+        self.seq = torch.zeros(B, P + N, dtype=torch.long, device=device)
+        self.seq[:, :P] = prompt
+        self.prompt_length, self.length = P, P
+        self.target_cache = KVCache.for_model(target, B, P + N - 1)
+        self.draft_cache = KVCache.for_model(draft, B, P + N - 1)
+        self.state = SamplingState(rows, cfg.sampling, target.config.vocab_size, device)
+        self.generators = None if cfg.sampling.greedy else make_generators(cfg.seed, B, device)
+        self.schedule = DraftLength(cfg.draft_tokens, cfg.adaptive_draft)
+        self.stats = SpeculationStats()
+        if P > 1:  # prefill both with every prompt id but the last: the first round's verify feeds that one
+            self._forward(target, self.target_cache, prompt[:, :-1], last_logits_only=True)
+            self._forward(draft, self.draft_cache, prompt[:, :-1], last_logits_only=True)
+
+    @property
+    def generated(self) -> int:
+        return self.length - self.prompt_length
+
+    def draft_length(self) -> int:
+        """This round's k: the schedule's, less where the round would commit past max_new_tokens."""
+        return min(self.schedule.k, self.seq.size(1) - self.length - 1)
+
+    def _forward(self, model, cache: KVCache, ids: torch.Tensor, last_logits_only: bool = False) -> torch.Tensor:
+        """model over ids (B, T) after the cache's positions: logits (B, T, V), or (B, 1, V)."""
+        mask = self.mask[:, :cache.pos + ids.size(1)] if self.padded else None
+        return model(ids, cache=cache, attention_mask=mask, last_logits_only=last_logits_only)
+
+    def propose(self, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The draft's next k ids (B, k), each drawn as the target would draw (the same sampling config),
+        and the distributions they came from (B, k, V); None when greedy."""
+        B, V = self.seq.size(0), self.target.config.vocab_size
+        drafts = torch.zeros(B, k, dtype=torch.long, device=self.seq.device)
+        probs = torch.zeros(B, k, V, device=self.seq.device) if not self.sampling.greedy else None
+        state = self.state.clone()  # penalties see the drafts before each one
+        ids = self.seq[:, self.draft_cache.pos:self.length]  # (B, 1 or 2): committed, unseen by the draft
+        for i in range(k):
+            logits = state.process(self._forward(self.draft, self.draft_cache, ids, last_logits_only=True)[:, -1],
+                                   self.sampling)  # (B, V)
+            if probs is None:
+                drafts[:, i] = logits.argmax(dim=-1)
+            else:
+                probs[:, i] = logits.softmax(dim=-1)
+                drafts[:, i] = draw(probs[:, i], self.generators)
+            state.record(drafts[:, i])
+            ids = drafts[:, i:i + 1]
+        return drafts, probs
+
+    def verify(self, drafts: torch.Tensor) -> torch.Tensor:
+        """One target forward over the last committed id and the k drafts: processed logits (B, k + 1, V)."""
+        ids = torch.cat([self.seq[:, self.length - 1:self.length], drafts], dim=1)  # (B, k + 1)
+        logits = self._forward(self.target, self.target_cache, ids)  # (B, k + 1, V)
+        state = self.state.clone()
+        processed = []
+        for i in range(ids.size(1)):  # position i's penalties count the drafts before it
+            processed.append(state.process(logits[:, i], self.sampling))
+            if i < drafts.size(1):
+                state.record(drafts[:, i])
+        return torch.stack(processed, dim=1)
+
+    @staticmethod
+    def keep(drafts: torch.Tensor, accepted: torch.Tensor, next_ids: torch.Tensor,
+             live: torch.Tensor) -> torch.Tensor:
+        """The ids every row keeps (B, n + 1): n = the fewest drafts a live row accepted. A row that accepted
+        more keeps its draft n as the last id (accepted, so distributed as the target's); the others their
+        own next id."""
+        n = int(accepted[live.to(accepted.device)].min()) if bool(live.any()) else 0
+        last = next_ids if n == drafts.size(1) else torch.where(accepted == n, next_ids, drafts[:, n])
+        return torch.cat([drafts[:, :n], last.view(-1, 1)], dim=1)
+
+    def commit(self, kept: torch.Tensor, proposed: int) -> None:
+        """Append the kept ids; both caches roll back to every committed id but the last; adapt k."""
+        n = kept.size(1)
+        self.seq[:, self.length:self.length + n] = kept
+        self.length += n
+        self.target_cache.rewind(self.target_cache.pos - (self.length - 1))  # the rejected drafts and one past
+        self.draft_cache.rewind(max(0, self.draft_cache.pos - (self.length - 1)))  # it may lag instead
+        for column in kept.t():
+            self.state.record(column)
+        self.stats.rounds += 1
+        self.stats.proposed += proposed
+        self.stats.accepted += n - 1
+        self.schedule.update(proposed, n - 1)
+
+
+def resolve_draft(target, draft):
+    """The draft model: `draft` itself, or for "self:int8" / "self:int4" the target's weights quantized."""
+    if isinstance(draft, str):
+        if draft not in SELF_DRAFTS:
+            raise ConfigError(f"draft {draft!r} is not a model; pass a GPT, or one of {', '.join(SELF_DRAFTS)}")
+        draft = quantized_copy(target, SELF_DRAFTS[draft])
+    if not hasattr(draft, "config") or not hasattr(draft, "transformer"):
+        raise ConfigError(f"draft must be a GPT model or one of {', '.join(SELF_DRAFTS)}, got {type(draft).__name__}")
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ConfigError(f"the draft's vocabulary has {draft.config.vocab_size} tokens and the target's "
+                          f"{target.config.vocab_size}: speculative decoding needs one vocabulary")
+    if draft.transformer.wte.weight.device != target.transformer.wte.weight.device:
+        raise ConfigError(f"the draft is on {draft.transformer.wte.weight.device}, the target on "
+                          f"{target.transformer.wte.weight.device}")
+    return draft
+
+
+@torch.no_grad()
+def quantized_copy(model, precision: str):
+    """A new model with `model`'s weights, its linears in `precision` (the kernels kernels.py measured
+    fastest here); `model` is untouched. The self-draft of speculative decoding.
+
+    Float32 weights are shared, not copied, until each linear is packed. Packed linears (FastLinear) are
+    read back through their format's reference weights, so an int8 or bfloat16 model can be copied (its
+    float32 weights then exist at once, briefly); an int4 or float32-oneDNN one cannot.
+    """
+    from gpt2.kernels import plan_for
+    from gpt2.model import GPT
+    from gpt2.quantize import FastLinear, apply_plan
+    state = {name: t.float() for name, t in model.state_dict().items()}
+    for name, layer in model.named_modules():
+        if isinstance(layer, FastLinear):
+            args = layer.kernel_args
+            if layer.format.precision != "int8" and "weight" not in args:
+                raise ConfigError(f"{name} is packed as {layer.format.precision} {layer.format.name}, whose weights "
+                                  f"cannot be read back; quantize the model before packing it")
+            state[f"{name}.weight"] = layer.format.reference_weight(args.get("weight"), args).float()
+            if layer.bias is not None:
+                state[f"{name}.bias"] = layer.bias.float()
+    with torch.device("meta"):
+        copy = GPT(model.config, vocab_multiple=model.padded_vocab_size)  # the same padded rows
+    copy.load_state_dict(state, strict=True, assign=True)
+    del state  # the packed copies replace them one linear at a time
+    return apply_plan(copy, plan_for(copy, precision))
 
 
 def stream(model, prompts: list[list[int]], max_new_tokens: int = 64, **options) -> Stream:

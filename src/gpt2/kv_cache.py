@@ -6,7 +6,8 @@
 
 The engine allocates it once per request batch; nothing is reallocated per step. Attention layers
 write their new keys and values at `pos` through `update`, and the model calls `advance` exactly once
-per forward, after the last layer, so every layer of one forward sees the same `pos`.
+per forward, after the last layer, so every layer of one forward sees the same `pos`. Speculative
+decoding (engine.py) takes back the positions of rejected draft tokens with `rewind`.
 
 BatchKV is the continuous-batching scheduler's cache (batching.py): sequences of different lengths,
 joining and leaving between decode steps, in one storage with one write position.
@@ -55,6 +56,13 @@ class KVCache:
 
     def advance(self, num_positions: int) -> None:
         self.pos += num_positions
+
+    def rewind(self, num_positions: int) -> None:
+        """Forget the last num_positions (speculative decoding's rejected drafts). The slots stay allocated:
+        the next update overwrites them, and nothing reads past pos."""
+        if not 0 <= num_positions <= self.pos:
+            raise ValueError(f"cannot rewind {num_positions} positions of a cache holding {self.pos}")
+        self.pos -= num_positions
 
 
 class BatchKV:

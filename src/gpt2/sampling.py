@@ -9,10 +9,15 @@ greedy (argmax after penalties and bias) and never touches a generator, so it ne
 
 Randomness comes only from explicit torch.Generator objects: one for the whole batch, or one per row
 (then a row's draws do not depend on which other rows share its batch).
+
+Speculative decoding (engine.py) checks a draft model's tokens with `accept_drafts`: greedy keeps a
+draft while it is the target's argmax; sampling keeps it with probability min(1, p/q) and replaces the
+first rejected one by a draw from max(0, p - q), so the kept tokens follow the target's distribution.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -105,6 +110,13 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator] | torch.Generato
     return torch.multinomial(probs, 1, generator=generators).view(-1)
 
 
+def uniform(batch_size: int, n: int, generators, device=None) -> torch.Tensor:
+    """(B, n) draws from U[0, 1): one generator for the batch, or a list with one per row."""
+    if isinstance(generators, (list, tuple)):
+        return torch.stack([torch.rand(n, generator=g, device=device) for g in generators])
+    return torch.rand(batch_size, n, generator=generators, device=device)
+
+
 def process_logits(logits: torch.Tensor, cfg: SamplingConfig, seen=None, counts=None, bias=None) -> torch.Tensor:
     """Penalties, bias, temperature and filters: float32 logits (B, V) ready for argmax or softmax."""
     logits = logits.float()
@@ -133,6 +145,38 @@ def next_tokens(logits: torch.Tensor, cfg: SamplingConfig, generators=None, seen
     if cfg.greedy:
         return logits.argmax(dim=-1)
     return draw(logits.softmax(dim=-1), generators)
+
+
+def accept_drafts(target_logits: torch.Tensor, draft_probs: torch.Tensor | None, drafts: torch.Tensor,
+                  cfg: SamplingConfig, generators=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling (Leviathan et al. 2023, Chen et al. 2023): how many drafts each row keeps, and
+    the target's own token after them.
+
+    target_logits (B, k + 1, V): the target's processed logits (process_logits) at each draft and one past
+    the last; draft_probs (B, k, V): the distributions the drafts (B, k) were drawn from (None if greedy).
+    Returns accepted (B,) in [0, k] and next_ids (B,).
+      greedy:   a draft is kept while it equals the target's argmax; next is the argmax after the kept ones.
+      sampling: draft i is kept with probability min(1, p_i(d) / q_i(d)); at the first rejection next is
+                drawn from max(0, p - q) renormalised, after k kept drafts from p_{k+1}. Kept drafts plus
+                next are then distributed exactly as tokens sampled from the target one by one.
+    """
+    B, k = drafts.shape
+    if cfg.greedy:
+        target_ids = target_logits.argmax(dim=-1)  # (B, k + 1)
+        accepted = (target_ids[:, :k] == drafts).long().cumprod(dim=1).sum(dim=1)
+        return accepted, target_ids.gather(1, accepted.view(B, 1)).view(B)
+    p = target_logits.softmax(dim=-1)  # (B, k + 1, V)
+    p_draft = p[:, :k].gather(2, drafts.unsqueeze(-1)).squeeze(-1)  # (B, k): p_i(d_i)
+    q_draft = draft_probs.gather(2, drafts.unsqueeze(-1)).squeeze(-1)  # (B, k): q_i(d_i) > 0
+    keep = uniform(B, k, generators, p.device) * q_draft < p_draft  # u < p / q, without dividing
+    accepted = keep.long().cumprod(dim=1).sum(dim=1)
+    rows = torch.arange(B, device=p.device)
+    p_next = p[rows, accepted]  # (B, V)
+    q_next = torch.cat([draft_probs, torch.zeros_like(p[:, :1])], dim=1)[rows, accepted]  # 0 past the drafts
+    residual = (p_next - q_next).clamp(min=0)
+    # A rejection means p < q somewhere, so p > q elsewhere; only rounding can leave no mass at all.
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_next)
+    return accepted, draw(residual / residual.sum(dim=-1, keepdim=True), generators)
 
 
 def make_generators(seed, batch_size: int, device) -> torch.Generator | list[torch.Generator]:
@@ -169,6 +213,17 @@ class SamplingState:
                 if not 0 <= int(t) < vocab_size:
                     raise ConfigError(f"logit_bias names token {t}, outside [0, {vocab_size})")
                 self.bias[int(t)] = float(b)
+
+    def clone(self) -> "SamplingState":
+        """A copy to record tentative ids in (speculative drafts); this one stays as it was."""
+        other = copy.copy(self)
+        other.seen = None if self.seen is None else self.seen.clone()
+        other.counts = None if self.counts is None else self.counts.clone()
+        return other
+
+    def process(self, logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+        """process_logits with this state's penalties and bias: logits (B, V) -> float32 (B, V)."""
+        return process_logits(logits, cfg, self.seen, self.counts, self.bias)
 
     def record(self, ids: torch.Tensor) -> None:
         """Count the ids (B,) just sampled."""
