@@ -291,3 +291,22 @@ def test_rewound_cache_equals_a_fresh_one(target):
     torch.testing.assert_close(cache.k[:, :, :, :8], fresh_cache.k[:, :, :, :8])
     with pytest.raises(ValueError, match="rewind"):
         cache.rewind(9)
+
+
+# --- the CLI ----------------------------------------------------------------------------------------------
+
+@pytest.mark.slow  # ~25 s: measures the kernels of a 50,257-token lm_head at two precisions
+def test_cli_generate_with_a_draft_prints_the_plain_greedy_text(tmp_path, capsys):
+    from gpt2.cli import main
+    model = random_model(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=GPT2_VOCAB_SIZE, n_positions=64,
+                                   initializer_range=0.2))
+    small = random_model(GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=GPT2_VOCAB_SIZE, n_positions=64))
+    model.save_pretrained(tmp_path / "target")
+    small.save_pretrained(tmp_path / "draft")
+    base = ["generate", "--model", str(tmp_path / "target"), "Once upon a time", "--max-new-tokens", "20",
+            "--ignore-eos", "--device", "cpu"]
+    assert main(base) == 0
+    plain = capsys.readouterr().out
+    for draft in (["--draft", "self:int8"], ["--draft", str(tmp_path / "draft"), "--draft-tokens", "3", "--stream"]):
+        assert main(base + draft) == 0
+        assert capsys.readouterr().out == plain

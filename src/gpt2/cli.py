@@ -340,23 +340,38 @@ def add_generate_parser(sub):
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step (fixed shapes; the first run per shape compiles: "
                         "how long on CPU, BENCHMARKS.md)")
+    p.add_argument("--draft", default=None,
+                   help="speculative decoding: a smaller model with the same vocabulary (loaded at --draft-dtype), "
+                        "or self:int8 / self:int4 (this model's weights, quantized)")
+    p.add_argument("--draft-tokens", type=int, default=4, help="tokens the draft proposes per round (the first k)")
+    p.add_argument("--draft-dtype", choices=["float32", "bfloat16", "int8", "int4"], default=None,
+                   help="weights of a --draft MODEL (default: --dtype)")
+    p.add_argument("--fixed-draft-tokens", action="store_true",
+                   help="keep k fixed (default: it grows while drafts are accepted and shrinks when rejected)")
     p.set_defaults(func=cmd_generate)
 
 
 def cmd_generate(args):
     from gpt2.config import require_gpt2_vocab
-    from gpt2.engine import make_config
+    from gpt2.engine import SELF_DRAFTS, make_config
     from gpt2.quantize import load_for_inference
     from gpt2.tokenizer import Tokenizer
     model = load_for_inference(args.model, dtype=args.dtype, device=args.device, verbose=args.verbose)
     require_gpt2_vocab(model.config, args.model)
+    draft = args.draft
+    if draft is not None and draft not in SELF_DRAFTS:
+        draft = load_for_inference(draft, dtype=args.draft_dtype or args.dtype, device=args.device,
+                                   verbose=args.verbose)
+    elif draft is not None:  # the same checkpoint again, packed at the draft's precision
+        draft = load_for_inference(args.model, dtype=SELF_DRAFTS[draft], device=args.device, verbose=args.verbose)
     tok = Tokenizer.from_pretrained(args.model)
     prompt = sys.stdin.read() if args.stdin else args.prompt
     cfg = make_config(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                       top_p=args.top_p, min_p=args.min_p,
                       repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
                       presence_penalty=args.presence_penalty, ignore_eos=args.ignore_eos, truncate=args.truncate,
-                      compile=args.compile)
+                      compile=args.compile, draft=draft, draft_tokens=args.draft_tokens,
+                      adaptive_draft=not args.fixed_draft_tokens)
     ended = 0
     for chunk in _generate_text(model, tok, prompt, cfg, args.num_samples, args.seed, args.stop, args.stream):
         if chunk is None:  # the end of one sample
