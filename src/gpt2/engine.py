@@ -21,6 +21,13 @@ How a batch runs:
   5. With compile=True, decode runs `decode_step` under torch.compile instead: the same blocks, but
      every shape fixed (the whole cache, rounded up, with a mask), so one graph serves every step.
 
+Speculative decoding (draft=a smaller GPT of the same vocabulary, or "self:int8" / "self:int4"):
+    new_ids = generate(model, prompts, max_new_tokens=64, draft=small, draft_tokens=4)
+  each round the draft proposes k ids, the target scores them in one forward over k + 1 positions,
+  sampling.accept_drafts keeps the accepted prefix plus one id of the target's own, and both caches
+  rewind to the kept ids (Speculation). Greedy output equals the target's alone; sampled output is
+  distributed as the target's. Rows move in lockstep, so batch 1 gains most.
+
 Sampling lives in sampling.py as pure functions. `generate_naive` is the uncached reference
 (a full forward over the whole sequence every step) that the tests compare the fast path against.
 Stop strings are text, so they are matched at the edges (the CLI, the server) with
@@ -503,7 +510,9 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int = 64, **option
     options (keywords, make_config's): temperature (0: greedy), top_k, top_p, min_p, seed (an int, or
     one per row), stop_token_ids, repetition_penalty, frequency_penalty, presence_penalty, logit_bias
     ({id: bias}), ignore_eos (EOS is <|endoftext|> for GPT-2's vocabulary), truncate ("left"),
-    compile (torch.compile one fixed-shape decode step; the first call per shape compiles: BENCHMARKS.md).
+    compile (torch.compile one fixed-shape decode step; the first call per shape compiles: BENCHMARKS.md),
+    draft (a GPT with the same vocabulary, or "self:int8" / "self:int4"), draft_tokens (k, default 4),
+    adaptive_draft (default True: k grows while drafts are kept, shrinks when they are rejected).
     """
     steps = stream(model, prompts, max_new_tokens, **options)
     out = [[] for _ in steps.rows]

@@ -1,0 +1,149 @@
+"""Speculative decoding against plain decoding of the same target, batch 1, greedy, in one run.
+
+    flock -x /tmp/gpt2-bench.lock .venv/bin/python benchmarks/bench_speculative.py            # both cases
+    ... bench_speculative.py --skip-pair        # only gpt2-xl;  --skip-xl: only the trained pair
+
+Cases:
+  xl    gpt2-xl (1558M) with random weights, target in bfloat16 and in float32, drafted by its own
+        weights in int4 (engine.quantized_copy). One float32 model is built once: the bf16 target and the
+        int4 draft are packed from it, then it is packed in place as the float32 target (one at a time:
+        gpt2-xl is 6.2 GB in float32).
+  pair  a small draft (the quickstart recipe, 4 x 96) and a wider target (6 x 384) trained on the same
+        Shakespeare data, a few minutes each (cached under the kernel cache's folder, trained if missing):
+        random weights make a separate draft's acceptance meaningless.
+
+Every round runs each contender once, in turn (plain; speculative with adaptive k; speculative with k
+fixed), so load from other processes hits them alike; the table reports medians over rounds, tok/s =
+new tokens / wall time of the whole generate call (a 16-token prompt's prefill included), the draft's
+acceptance rate, target forwards per token, the speed-up over plain, and whether the output equals
+plain greedy token for token (it must).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from gpt2.engine import Stream, make_config, quantized_copy
+from gpt2.kernels import cpu_features, cpu_model, default_cache_path, memory_bandwidth_gbs
+
+
+def run(model, prompt, n, **options):
+    """(new ids, seconds, speculation stats or None) of one greedy generate call."""
+    t = time.perf_counter()
+    steps = Stream(model, [prompt], make_config(max_new_tokens=n, ignore_eos=True, **options))
+    out = [s[0] for s in steps if s[0] is not None]
+    return out, time.perf_counter() - t, steps.speculation
+
+
+def compare(name: str, target, draft, prompt, n: int, rounds: int, k: int) -> None:
+    contenders = {"plain": {}, f"speculative, adaptive k from {k}": dict(draft=draft, draft_tokens=k),
+                  f"speculative, k = {k} fixed": dict(draft=draft, draft_tokens=k, adaptive_draft=False)}
+    run(target, prompt, 4)  # warm-up: first calls pay for allocation and kernel setup
+    run(target, prompt, 4, draft=draft, draft_tokens=k)
+    times = {c: [] for c in contenders}
+    results = {}
+    for _ in range(rounds):
+        for c, options in contenders.items():
+            out, seconds, stats = run(target, prompt, n, **options)
+            times[c].append(seconds)
+            results[c] = (out, stats)
+    plain_ids, _ = results["plain"]
+    plain_s = statistics.median(times["plain"])
+    print(f"\n{name}: {n} new tokens after a {len(prompt)}-token prompt, median of {rounds} rounds")
+    print(f"  {'contender':34s} {'tok/s':>7s} {'speed-up':>8s} {'accepted':>8s} {'tokens/fwd':>10s}  equals plain")
+    for c in contenders:
+        s = statistics.median(times[c])
+        out, stats = results[c]
+        acc = f"{stats.acceptance_rate:8.1%}" if stats else f"{'-':>8s}"
+        per = f"{stats.tokens_per_round:10.2f}" if stats else f"{1.0:10.2f}"
+        print(f"  {c:34s} {n / s:7.2f} {plain_s / s:7.2f}x {acc} {per}  {out == plain_ids}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the cases
+# ---------------------------------------------------------------------------------------------
+
+def xl_case(args) -> None:
+    from gpt2 import GPT, GPTConfig
+    from gpt2.kernels import plan_for
+    from gpt2.quantize import apply_plan
+    torch.manual_seed(0)
+    t = time.perf_counter()
+    model = GPT(GPTConfig.preset("gpt2-xl")).eval()  # float32, random weights (GPT-2's init)
+    draft = quantized_copy(model, "int4")
+    print(f"\ngpt2-xl random weights built and the int4 draft packed in {time.perf_counter() - t:.0f} s")
+    prompt = torch.randint(0, model.config.vocab_size, (16,), generator=torch.Generator().manual_seed(0)).tolist()
+    target = quantized_copy(model, "bfloat16")
+    compare("gpt2-xl bfloat16, int4 self-draft", target, draft, prompt, args.tokens, args.rounds, args.k)
+    del target
+    gc.collect()
+    target = apply_plan(model, plan_for(model, "float32"))  # in place: no second float32 copy
+    compare("gpt2-xl float32, int4 self-draft", target, draft, prompt, args.tokens, args.rounds, args.k)
+    del target, model, draft
+    gc.collect()
+
+
+PAIR = {"draft": dict(n_layer=4, n_head=4, n_embd=96),    # the quickstart recipe
+        "target": dict(n_layer=6, n_head=6, n_embd=384)}  # the same recipe, wider and deeper
+
+
+def trained(role: str, args) -> Path:
+    """The run directory of the pair's `role`, trained on args.data for args.train_minutes if not cached."""
+    import dataclasses
+
+    from gpt2.train import preset_configs, train
+    out = default_cache_path().parent / "bench_speculative" / role
+    if (out / "LATEST").exists():
+        return out
+    data = Path(args.data)
+    if not data.exists():
+        from gpt2.data import PrepareConfig, prepare
+        prepare(PrepareConfig(inputs=["shakespeare"], out_dir=str(data)))
+    cfg, model_config = preset_configs("quickstart", data=str(data), out=str(out), max_minutes=args.train_minutes,
+                                       progress=False)
+    model_config = dataclasses.replace(model_config, **PAIR[role])
+    print(f"training the {role} ({PAIR[role]}) for {args.train_minutes} min into {out}", flush=True)
+    summary = train(cfg, model_config)
+    print(f"  {role}: {summary}", flush=True)
+    return out
+
+
+def pair_case(args) -> None:
+    from gpt2.quantize import load_for_inference
+    from gpt2.tokenizer import Tokenizer
+    paths = {role: trained(role, args) for role in PAIR}
+    target = load_for_inference(paths["target"], "float32", device="cpu")
+    draft = load_for_inference(paths["draft"], "float32", device="cpu")
+    prompt = Tokenizer.gpt2().encode("ROMEO:\nWhat light through yonder window breaks? It is")
+    n = min(args.tokens * 2, target.config.n_positions - len(prompt))
+    compare(f"trained pair float32: target {PAIR['target']}, draft {PAIR['draft']}", target, draft, prompt,
+            n, args.rounds, args.k)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=32, help="new tokens per gpt2-xl call (twice that for the pair)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("-k", type=int, default=4, help="draft tokens per round (the adaptive one's start)")
+    parser.add_argument("--data", default="data/shakespeare", help="token shards (gpt2 prepare shakespeare)")
+    parser.add_argument("--train-minutes", type=float, default=3.0)
+    parser.add_argument("--skip-xl", action="store_true")
+    parser.add_argument("--skip-pair", action="store_true")
+    args = parser.parse_args()
+    features = ", ".join(cpu_features()) or "no bf16/VNNI/AMX flags"
+    print(f"CPU: {cpu_model()} ({features}), {torch.get_num_threads()} threads, "
+          f"memory bandwidth {memory_bandwidth_gbs():.1f} GB/s, torch {torch.__version__}")
+    if not args.skip_pair:
+        pair_case(args)
+    if not args.skip_xl:
+        xl_case(args)
+
+
+if __name__ == "__main__":
+    main()
