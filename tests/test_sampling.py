@@ -204,3 +204,31 @@ def test_process_logits_matches_transformers_chain(logits, cfg):
         chain.append(MinPLogitsWarper(cfg.min_p))
     ours = process_logits(logits, cfg, seen=seen if cfg.uses_repetition else None)
     assert torch.equal(ours, chain(input_ids, logits.clone()))
+
+
+# --- speculative acceptance ---------------------------------------------------------------------------
+
+def test_accept_drafts_keeps_drafts_the_target_agrees_with():
+    from gpt2.sampling import accept_drafts
+    logits = torch.randn(3, 4, 10, generator=torch.Generator().manual_seed(0))  # (B, k + 1, V)
+    target_ids = logits.argmax(-1)
+    drafts = target_ids[:, :3].clone()
+    drafts[1, 1] = (drafts[1, 1] + 1) % 10  # row 1 disagrees at its second draft
+    drafts[2, 0] = (drafts[2, 0] + 1) % 10  # row 2 at its first
+    accepted, next_ids = accept_drafts(logits, None, drafts, SamplingConfig())
+    assert accepted.tolist() == [3, 1, 0]
+    assert next_ids.tolist() == [target_ids[0, 3], target_ids[1, 1], target_ids[2, 0]]
+    # sampling with q == p keeps everything (u < 1 = p/q); with p(d) = 0 never, and the replacement
+    # comes from max(0, p - q), which is 0 wherever the draft put more mass than the target
+    cfg = SamplingConfig(temperature=1.0)
+    p = logits.softmax(-1)
+    gen = torch.Generator().manual_seed(1)
+    accepted, _ = accept_drafts(logits, p[:, :3], target_ids[:, :3], cfg, gen)
+    assert accepted.tolist() == [3, 3, 3]
+    impossible = logits.clone()
+    impossible[:, 0, 0] = float("-inf")
+    q = torch.zeros(3, 3, 10)
+    q[:, :, 0] = 1.0  # the draft is sure of token 0
+    for _ in range(20):
+        accepted, next_ids = accept_drafts(impossible, q, torch.zeros(3, 3, dtype=torch.long), cfg, gen)
+        assert accepted.tolist() == [0, 0, 0] and 0 not in next_ids.tolist()
