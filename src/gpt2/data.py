@@ -111,7 +111,7 @@ class PrepareConfig:
     cache_dir: str | None = None       # for named datasets (gpt2.datasets)
     progress: bool = False
     piece_chars: int = 1 << 22         # documents are cut into pieces of about this many characters
-    batch_chars: int = 1 << 25         # characters per pool round (two rounds in flight): bounds memory
+    batch_chars: int = 1 << 22         # characters per pool round (two rounds in flight): bounds memory
     block_bytes: int = 1 << 23         # bytes read from a text file at a time
 
     def read_options(self) -> ReadOptions:
