@@ -283,6 +283,13 @@ def add_train_parser(sub):
     g.add_argument("--eval-batches", type=int)
     g.add_argument("--checkpoint-interval", type=int)
     g.add_argument("--keep-last", type=int, help="checkpoints to keep (0: all)")
+    g.add_argument("--hellaswag", metavar="FILE", help="HellaSwag jsonl (hellaswag_val.jsonl): log hellaswag_acc_norm")
+    g.add_argument("--hellaswag-interval", type=int, metavar="N",
+                   help="steps between HellaSwag evals, a multiple of --eval-interval (default: every eval)")
+    g.add_argument("--hellaswag-limit", type=int, metavar="N", help="score only the first N HellaSwag examples")
+    g.add_argument("--wandb", metavar="PROJECT", help="log to Weights & Biases (pip install 'gpt2[track]'; "
+                                                      "WANDB_MODE=offline works without network)")
+    g.add_argument("--tensorboard", metavar="DIR", help="log to TensorBoard in DIR (pip install 'gpt2[track]')")
     g.add_argument("--num-samples", type=int, help="sampled lines at each eval (0 disables)")
     g.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
     g.add_argument("--peak-tflops", type=float,
