@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gpt2 import corpus
 from gpt2 import data as D
 from gpt2 import datasets
 from gpt2 import shards
@@ -31,11 +32,6 @@ def shakespeare_out(shakespeare_paths, tmp_path_factory):
     out = tmp_path_factory.mktemp("shakespeare")
     manifest = prepare(PrepareConfig(inputs=["shakespeare"], out_dir=str(out), workers=2))
     return out, manifest
-
-
-class _NoBar:
-    def update(self, n):
-        pass
 
 
 def _expected_stream(tik, texts):
@@ -159,9 +155,8 @@ def test_prepare_files_dirs_jsonl_streaming(tmp_path, tik):
     expected = _expected_stream(tik, [docs[0], docs[1], docs[2], records[2]["body"]])
     assert shards.load_split(out, "train").tolist() == expected
     assert len(m["shards"]["train"]) == -(-len(expected) // 97) and m["shards"]["val"] == []
-    cfg = PrepareConfig(inputs=[], out_dir="", piece_chars=64, block_bytes=7)
-    src_b = D._Source(str(src / "sub" / "b.txt"), "text", 0)
-    pieces = list(D._text_pieces(src_b, cfg, __import__("hashlib").sha256(), _NoBar()))
+    opts = corpus.ReadOptions(piece_chars=64, block_bytes=7)
+    pieces = list(corpus._text_pieces(str(src / "sub" / "b.txt"), opts, hashlib.sha256(), lambda n: None))
     assert len(pieces) > 10 and "".join(pieces) == docs[1]
     assert m["documents"] == {"train": 4, "val": 0, "empty_skipped": 1} and m["name"] == "out"
     assert D._worker_tokenizer is None  # the pool's tokenizer lived only in its worker processes
@@ -304,3 +299,188 @@ def test_loader_errors(shard_dir, tmp_path):
     with pytest.raises(DataError, match="rank"):
         DataLoader(shard_dir, "train", 2, 8, rank=2, world_size=2)
     assert len(shards.load_split(shard_dir, "val")) == 700
+
+
+# ---------------------------------------------------------------------------------------------
+# prepare at scale: parquet, compressed jsonl, Hugging Face datasets, workers, resume, max_tokens
+# ---------------------------------------------------------------------------------------------
+
+DOCS = [f"Document {i}: " + "naïve café 😀 words and more words.\n" * (1 + i % 7) + f"end {i}" for i in range(40)]
+
+
+def _write_parquet(path, texts, row_group_size=7):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"id": list(range(len(texts))), "content": texts}), path, row_group_size=row_group_size)
+    return path
+
+
+def _docs_of(stream, tik):
+    """The documents of a token stream: split at <|endoftext|>, decoded by tiktoken."""
+    docs, cur = [], None
+    for t in stream:
+        if t == EOT:
+            if cur is not None:
+                docs.append(tik.decode(cur))
+            cur = []
+        else:
+            cur.append(t)
+    return docs + ([tik.decode(cur)] if cur is not None else [])
+
+
+def _is_subsequence(part, whole):
+    it = iter(whole)
+    return all(any(x == y for y in it) for x in part)
+
+
+def test_prepare_parquet_and_compressed_jsonl_match_tiktoken(tmp_path, tik):
+    zstd = pytest.importorskip("zstandard")
+    import gzip
+    src = tmp_path / "src"
+    src.mkdir()
+    _write_parquet(src / "a.parquet", DOCS[:15] + [None, ""] + DOCS[15:20])  # 4 row groups; null and "" skipped
+    lines = "".join(json.dumps({"content": t}) + "\n" for t in DOCS[20:30]).encode()
+    (src / "b.jsonl.gz").write_bytes(gzip.compress(lines))
+    (tmp_path / "c.jsonl.zst").write_bytes(zstd.ZstdCompressor().compress(
+        "".join(json.dumps({"content": t}) + "\n" for t in DOCS[30:]).encode()))
+    out = tmp_path / "out"
+    m = prepare(PrepareConfig(inputs=[str(src), str(tmp_path / "c.jsonl.zst")], out_dir=str(out), val_fraction=0.0,
+                              text_field="content", shard_size=1000, workers=2, batch_chars=500))
+    expected = _expected_stream(tik, DOCS)
+    assert shards.load_split(out, "train").tolist() == expected
+    assert [s["tokens"] for s in m["shards"]["train"]] == [1000] * (len(expected) // 1000) + [len(expected) % 1000]
+    assert m["documents"] == {"train": 40, "val": 0, "empty_skipped": 2}
+    kinds = {Path(s["path"]).name: (s["kind"], s["documents"]) for s in m["sources"]}
+    assert kinds == {"a.parquet": ("parquet", 22), "b.jsonl.gz": ("jsonl", 10), "c.jsonl.zst": ("jsonl", 10)}
+    assert all(s["sha256"] == hashlib.sha256(Path(s["path"]).read_bytes()).hexdigest() for s in m["sources"])
+
+
+def test_corrupt_parquet_and_compressed_files_name_the_file(tmp_path):
+    import gzip
+    good = _write_parquet(tmp_path / "good.parquet", DOCS[:5]).read_bytes()
+    out = str(tmp_path / "out")
+    (tmp_path / "bad.parquet").write_bytes(good[: len(good) // 2])
+    with pytest.raises(DataError, match=r"bad\.parquet: not a readable parquet file"):
+        prepare(PrepareConfig(inputs=[str(tmp_path / "bad.parquet")], out_dir=out, text_field="content", workers=1))
+    with pytest.raises(DataError, match=r"good\.parquet: no column 'text' \(columns: id, content\).*--text-field"):
+        prepare(PrepareConfig(inputs=[str(tmp_path / "good.parquet")], out_dir=out, workers=1))
+    with pytest.raises(DataError, match=r"good\.parquet: column 'id' is int64, not a string"):
+        prepare(PrepareConfig(inputs=[str(tmp_path / "good.parquet")], out_dir=out, text_field="id", workers=1))
+    gz = gzip.compress(b'{"text": "a"}\n' * 1000)
+    (tmp_path / "cut.jsonl.gz").write_bytes(gz[:-20])
+    with pytest.raises(DataError, match=r"cut\.jsonl\.gz.*truncated or corrupt"):
+        prepare(PrepareConfig(inputs=[str(tmp_path / "cut.jsonl.gz")], out_dir=out, workers=1))
+
+
+def test_output_is_byte_identical_for_any_worker_count(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in DOCS))
+    outputs = []
+    for workers in (1, 2, 3):
+        out = tmp_path / f"w{workers}"
+        prepare(PrepareConfig(inputs=[str(src)], out_dir=str(out), name="x", shard_size=300, workers=workers,
+                              batch_chars=400 * workers, piece_chars=64))
+        outputs.append({f.name: f.read_bytes() for f in sorted(out.iterdir())})
+    assert len(outputs[0]) > 4 and outputs[0] == outputs[1] == outputs[2]
+
+
+def test_interrupted_prepare_resumes_without_redoing_finished_shards(tmp_path, monkeypatch, tik):
+    src = tmp_path / "in.parquet"
+    _write_parquet(src, DOCS * 3, row_group_size=10)
+    cfg = dict(inputs=[str(src)], name="x", text_field="content", shard_size=400, workers=1, batch_chars=600)
+    reference = tmp_path / "ref"
+    prepare(PrepareConfig(out_dir=str(reference), **cfg))
+
+    out = tmp_path / "out"
+    rounds, real_write_round = [], D._write_round
+
+    def interrupted(*args):
+        rounds.append(1)
+        if len(rounds) == 8:
+            raise KeyboardInterrupt  # Ctrl-C in the middle of the run
+        return real_write_round(*args)
+
+    monkeypatch.setattr(D, "_write_round", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(PrepareConfig(out_dir=str(out), **cfg))
+    monkeypatch.setattr(D, "_write_round", real_write_round)
+    state = json.loads((out / D.STATE_FILE).read_text())
+    finished = {f.name: f.stat().st_mtime_ns for f in out.glob("x_*.bin")}
+    assert finished and not (out / "manifest.json").exists()
+
+    encoded, real_encode = [], D._encode
+    monkeypatch.setattr(D, "_encode", lambda tok, unit: encoded.append(unit) or real_encode(tok, unit))
+    prepare(PrepareConfig(out_dir=str(out), **cfg))
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == {f.name: f.read_bytes() for f in reference.iterdir()}
+    assert all(out.joinpath(n).stat().st_mtime_ns == t for n, t in finished.items())  # not rewritten
+    assert len(encoded) == 3 * len(DOCS) - state["units_done"]                        # done units not encoded
+    assert not (out / D.STATE_FILE).exists() and not list(out.glob(".*partial"))
+
+
+def test_max_tokens_stops_early_and_the_bar_shows_rate_and_eta(tmp_path, tik, capsys):
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in DOCS))
+    out = tmp_path / "out"
+    m = prepare(PrepareConfig(inputs=[str(src)], out_dir=str(out), val_fraction=0.0, max_tokens=777, shard_size=500,
+                              workers=2, batch_chars=300, progress=True))
+    assert shards.load_split(out, "train").tolist() == _expected_stream(tik, DOCS)[:777]
+    assert m["tokens"]["train"] == 777 and [s["tokens"] for s in m["shards"]["train"]] == [500, 277]
+    bar = capsys.readouterr().err
+    assert "777/777" in bar and "tok/s" in bar and "<00:00" in bar  # tokens/s and the ETA
+
+
+def _save_hf_dataset(directory, texts):
+    """A dataset repository written by `datasets` itself: data/train-00000-of-00001.parquet."""
+    hf = pytest.importorskip("datasets")
+    (directory / "data").mkdir(parents=True)
+    hf.Dataset.from_dict({"text": texts}).to_parquet(str(directory / "data" / "train-00000-of-00001.parquet"))
+    return hf
+
+
+def test_hf_dataset_streams_through_load_dataset_and_the_offline_cache(tmp_path, tik, monkeypatch):
+    repo = tmp_path / "tiny"
+    hf = _save_hf_dataset(repo, DOCS)
+    out = tmp_path / "local"
+    m = prepare(PrepareConfig(inputs=[f"hf:{repo}"], out_dir=str(out), name="tiny", val_fraction=0.25, workers=2))
+    train, val = (_docs_of(shards.load_split(out, s).tolist(), tik) for s in ("train", "val"))
+    assert sorted(train + val) == sorted(DOCS) and val and len(train) > len(val)
+    assert _is_subsequence(train, DOCS) and _is_subsequence(val, DOCS)  # corpus order within each split
+    assert m["split"]["rule"] == "draw" and m["datasets"][0]["split"] == "train"
+    assert m["documents"] == {"train": len(train), "val": len(val), "empty_skipped": 0}
+
+    # Offline: a dataset that load_dataset("testorg/tiny") cached earlier (cache/testorg___tiny/...) is read
+    # through the same call a hub name takes, with HF_DATASETS_OFFLINE=1 and the hub unreachable.
+    cache = tmp_path / "hf-cache"
+    hf.load_dataset(str(repo), split="train", cache_dir=str(cache))
+    (cache / "tiny").rename(cache / "testorg___tiny")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(hf.config, "HF_DATASETS_OFFLINE", True)
+    monkeypatch.setattr(hf.config, "HF_HUB_OFFLINE", True)
+    cached = tmp_path / "cached"
+    prepare(PrepareConfig(inputs=["hf:testorg/tiny"], out_dir=str(cached), name="tiny", val_fraction=0.25,
+                          cache_dir=str(cache), workers=1))
+    assert {f.name: f.read_bytes() for f in cached.glob("*.bin")} == {f.name: f.read_bytes() for f in out.glob("*.bin")}
+    with pytest.raises(DataError, match=r"hf:testorg/absent.*could not open it"):
+        prepare(PrepareConfig(inputs=["hf:testorg/absent"], out_dir=str(cached), cache_dir=str(cache), workers=1))
+    with pytest.raises(DataError, match=r"no field 'body'.*--text-field"):
+        prepare(PrepareConfig(inputs=[f"hf:{repo}"], out_dir=str(cached), text_field="body", workers=1))
+
+
+def test_val_split_draw_rule_is_deterministic_and_streaming():
+    a, b, c = (D.ValSplit(None, 0.1, s) for s in (3, 3, 4))
+    va = [i for i in range(200_000) if a.is_val(i)]
+    assert va == [i for i in range(200_000) if b.is_val(i)] != [i for i in range(200_000) if c.is_val(i)]
+    assert abs(len(va) / 200_000 - 0.1) < 0.005  # binomial sd 0.0007
+    assert not any(D.ValSplit(None, 0.0, 3).is_val(i) for i in range(1000))
+    assert D.ValSplit(42, 0.1, 0).rule == "exact" and {i for i in range(42) if D.ValSplit(42, 0.1, 0).is_val(i)} == \
+        D._val_indices(42, 0.1, 0)
+
+
+def test_cli_prepare_new_flags(tmp_path, capsys, tik):
+    from gpt2.cli import main
+    f = _write_parquet(tmp_path / "in.parquet", DOCS)
+    assert main(["prepare", str(f), "--out", str(tmp_path / "o"), "--text-field", "content", "--val-fraction", "0",
+                 "--shard-tokens", "256", "--max-tokens", "1000", "--workers", "2"]) == 0
+    assert shards.load_split(tmp_path / "o", "train").tolist() == _expected_stream(tik, DOCS)[:1000]
+    assert len(list((tmp_path / "o").glob("o_train_*.bin"))) == 4
+    assert main(["prepare", "hf:", "--out", str(tmp_path / "o")]) == 2  # "hf:" alone names no dataset

@@ -498,3 +498,81 @@ def test_bf16_reaches_the_float32_loss_per_token(corpus, tmp_path):
     a = train(fp32, GPTConfig(**TINY_MODEL))["val_loss"]
     b = train(bf16, GPTConfig(**TINY_MODEL))["val_loss"]
     assert abs(a - b) <= 0.01 * a, (a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# in the loop: HellaSwag, Weights & Biases, TensorBoard
+# ---------------------------------------------------------------------------------------------
+
+def _hellaswag_file(path: Path) -> Path:
+    rows = [{"ctx": "The man opens the door and", "endings": [" walks in.", " sings.", " it rains.", " a cat."], "label": 0},
+            {"ctx": "She picks up the pen", "endings": [" and writes.", " then.", " blue sky.", " swims."], "label": 1},
+            {"ctx": "A dog runs", "endings": [" fast.", " to the park quickly.", " up.", " on the moon."], "label": 2},
+            {"ctx": "Water boils at", "endings": [" 100 degrees.", " night.", " home.", " the end of the road."],
+             "label": 3},
+            {"ctx": "He reads", "endings": [" a book.", " the sun.", " loudly in bed.", " shoes."], "label": 0}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_hellaswag_in_the_loop_logs_acc_norm_and_the_plot(corpus, tmp_path):
+    from gpt2 import evaluate
+    from gpt2.config import GPT2_VOCAB_SIZE
+    from gpt2.tokenizer import Tokenizer
+    hs = _hellaswag_file(tmp_path / "hellaswag.jsonl")
+    out = tmp_path / "run"
+    train(tiny_config(corpus, out, max_steps=10, eval_interval=5, checkpoint_interval=10, hellaswag=str(hs),
+                      hellaswag_interval=10), GPTConfig(**{**TINY_MODEL, "vocab_size": GPT2_VOCAB_SIZE}))
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [5, 10] and "hellaswag_acc_norm" not in metrics[0]
+    # The reference: gpt2.evaluate.hellaswag on the final checkpoint, outside the loop.
+    model, tok = GPT.from_pretrained(out).eval(), Tokenizer.gpt2()
+    expected = evaluate.hellaswag(model, tok, hs)
+    assert metrics[1]["hellaswag_acc_norm"] == pytest.approx(expected["acc_norm"], abs=1e-12)
+    assert metrics[1]["hellaswag_acc_token_norm"] == pytest.approx(expected["acc_token_norm"], abs=1e-12)
+    # Ranks' shares (as the loop splits them under torchrun) add up to the whole.
+    shares = [evaluate.hellaswag(model, tok, hs, rank=r, world_size=2) for r in (0, 1)]
+    assert [s["examples"] for s in shares] == [3, 2]
+    assert sum(s["acc_norm"] * s["examples"] for s in shares) == pytest.approx(expected["acc_norm"] * 5)
+    assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ConfigError, match="multiple of eval_interval"):
+        tiny_config(corpus, out, hellaswag=str(hs), hellaswag_interval=7, eval_interval=5)
+    with pytest.raises(ConfigError, match="GPT-2's vocabulary"):
+        train(tiny_config(corpus, tmp_path / "run2", hellaswag=str(hs)), GPTConfig(**TINY_MODEL))
+
+
+def test_tensorboard_gets_the_metrics(corpus, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    out, tb = tmp_path / "run", tmp_path / "tb"
+    train(tiny_config(corpus, out, max_steps=10, eval_interval=5, tensorboard=str(tb)), GPTConfig(**TINY_MODEL))
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert [e.step for e in events.Scalars("eval/val_loss")] == [m["step"] for m in metrics] == [5, 10]
+    assert [e.value for e in events.Scalars("eval/val_loss")] == pytest.approx([m["val_loss"] for m in metrics],
+                                                                               rel=1e-6)  # TensorBoard stores float32
+    assert [e.step for e in events.Scalars("train/train_loss")] == list(range(1, 11))
+    assert [e.value for e in events.Scalars("train/lr")] == pytest.approx([s["lr"] for s in steps], rel=1e-6)
+
+
+@pytest.mark.slow  # wandb starts its service process
+def test_wandb_offline_run_is_written_without_network(corpus, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    train(tiny_config(corpus, out, max_steps=10, eval_interval=5, wandb="gpt2-test"), GPTConfig(**TINY_MODEL))
+    runs = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1 and b"val_loss" in runs[0].read_bytes() and b"train_loss" in runs[0].read_bytes()
+
+
+def test_trackers_without_their_packages_are_a_clear_error(corpus, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now raises ImportError
+    with pytest.raises(ConfigError, match=r"wandb package.*gpt2\[track\]"):
+        train(tiny_config(corpus, tmp_path / "run", max_steps=2, wandb="p"), GPTConfig(**TINY_MODEL))
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ConfigError, match=r"tensorboard package"):
+        train(tiny_config(corpus, tmp_path / "run3", max_steps=2, tensorboard=str(tmp_path / "tb")),
+              GPTConfig(**TINY_MODEL))

@@ -138,18 +138,27 @@ def cmd_tokenize(args):
 
 
 def add_prepare_parser(sub):
-    p = sub.add_parser("prepare", help="tokenize text files, directories, .jsonl or 'shakespeare' into llm.c shards")
-    p.add_argument("inputs", nargs="+", metavar="INPUT", help="text files, directories, .jsonl files, or 'shakespeare'")
+    p = sub.add_parser("prepare", help="tokenize text, .jsonl(.gz/.zst), .parquet, 'shakespeare' or hf:NAME into llm.c "
+                                       "shards")
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="text files, directories, .jsonl/.jsonl.gz/.jsonl.zst, .parquet, 'shakespeare', or hf:NAME "
+                        "(a Hugging Face dataset, streamed)")
     p.add_argument("--out", required=True, help="output directory for *_train_*.bin, *_val_*.bin and manifest.json")
     p.add_argument("--name", help="shard name prefix (default: 'shakespeare' for that dataset, else the --out name)")
     p.add_argument("--val-fraction", type=float, default=0.1, help="fraction of documents for validation (default 0.1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/val split (default 0)")
-    p.add_argument("--text-field", default="text", help="JSON field holding the text in .jsonl inputs (default: text)")
+    p.add_argument("--text-field", default="text",
+                   help="field (.jsonl) or column (.parquet, hf:NAME) holding the text (default: text)")
+    p.add_argument("--hf-config", help="hf:NAME's configuration, e.g. sample-10BT")
+    p.add_argument("--split", dest="hf_split", default="train", help="hf:NAME's split to read (default: train)")
     p.add_argument("--errors", choices=["strict", "replace"], default="strict",
                    help="non-UTF-8 bytes: fail (strict, default) or replace with U+FFFD")
-    p.add_argument("--shard-size", type=int, default=100_000_000, help="tokens per shard (default 1e8, as llm.c)")
+    p.add_argument("--shard-tokens", "--shard-size", dest="shard_size", type=int, default=100_000_000,
+                   help="tokens per shard (default 1e8, as llm.c)")
+    p.add_argument("--max-tokens", type=int, default=None, help="stop after N tokens (a sample of a large corpus)")
     p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: CPU count)")
-    p.add_argument("--cache-dir", help="where the 'shakespeare' dataset is cached (default ~/.cache/gpt2)")
+    p.add_argument("--cache-dir", help="named datasets' cache (shakespeare: ~/.cache/gpt2; hf:NAME: the datasets "
+                                       "library's, ~/.cache/huggingface/datasets)")
     p.set_defaults(func=cmd_prepare)
 
 
@@ -157,6 +166,7 @@ def cmd_prepare(args):
     from gpt2.data import PrepareConfig, prepare
     cfg = PrepareConfig(inputs=list(args.inputs), out_dir=args.out, name=args.name, val_fraction=args.val_fraction,
                         seed=args.seed, text_field=args.text_field, errors=args.errors, shard_size=args.shard_size,
+                        max_tokens=args.max_tokens, hf_config=args.hf_config, hf_split=args.hf_split,
                         workers=args.workers, cache_dir=args.cache_dir, progress=True)
     manifest = prepare(cfg)
     t, v = manifest["tokens"]["train"], manifest["tokens"]["val"]
@@ -273,6 +283,13 @@ def add_train_parser(sub):
     g.add_argument("--eval-batches", type=int)
     g.add_argument("--checkpoint-interval", type=int)
     g.add_argument("--keep-last", type=int, help="checkpoints to keep (0: all)")
+    g.add_argument("--hellaswag", metavar="FILE", help="HellaSwag jsonl (hellaswag_val.jsonl): log hellaswag_acc_norm")
+    g.add_argument("--hellaswag-interval", type=int, metavar="N",
+                   help="steps between HellaSwag evals, a multiple of --eval-interval (default: every eval)")
+    g.add_argument("--hellaswag-limit", type=int, metavar="N", help="score only the first N HellaSwag examples")
+    g.add_argument("--wandb", metavar="PROJECT", help="log to Weights & Biases (pip install 'gpt2[track]'; "
+                                                      "WANDB_MODE=offline works without network)")
+    g.add_argument("--tensorboard", metavar="DIR", help="log to TensorBoard in DIR (pip install 'gpt2[track]')")
     g.add_argument("--num-samples", type=int, help="sampled lines at each eval (0 disables)")
     g.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
     g.add_argument("--peak-tflops", type=float,

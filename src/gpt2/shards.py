@@ -11,7 +11,8 @@ magic, version or size disagrees with its header raises DataError naming the fil
 
 A prepared directory (see gpt2.data.prepare) holds {name}_{split}_{k:06d}.bin files and a manifest.json
 listing them; `shard_files` reads the list from the manifest, else by that name pattern, and also
-accepts a glob pattern or a list of paths. `ShardWriter` writes one split as numbered shards.
+accepts a glob pattern or a list of paths. `ShardWriter` writes one split as numbered shards, streaming
+and resumable.
 """
 
 from __future__ import annotations
@@ -127,35 +128,80 @@ def load_split(source, split: str = "val") -> np.ndarray:
 
 
 class ShardWriter:
-    """Buffers one split's tokens and writes full shards as they fill (memory <= one shard + one batch).
+    """Writes one split as numbered shards of exactly shard_size tokens (the last may be shorter), streaming:
+    tokens go straight into the open shard's partial file, so memory holds no shard, however large.
 
         w = ShardWriter(Path("data/mine"), "mine", "train", shard_size=100_000_000)
         w.add(ids); ...; w.close()          # w.shards: [{"file": ..., "tokens": ...}], w.tokens: the total
+        position = w.flush()                # on disk now; ShardWriter(..., resume=position) continues from it
+
+    The open shard is DIR/.{file}.partial (hidden: no shard glob matches it); a full shard gets its
+    header's token count, is fsynced and renamed into place, so a reader never sees half a shard (the
+    write-then-rename of gpt2.atomic, spread over many add() calls). Resuming truncates the partial file
+    to the flushed position: tokens added after the last flush are dropped, to be added again.
     """
 
-    def __init__(self, out_dir: Path, name: str, split: str, shard_size: int):
-        self.out_dir, self.name, self.split, self.shard_size = out_dir, name, split, shard_size
-        self.pending: list[np.ndarray] = []
-        self.n_pending = 0
-        self.shards: list[dict] = []
-        self.tokens = 0
+    def __init__(self, out_dir: Path, name: str, split: str, shard_size: int, resume: dict | None = None):
+        self.out_dir, self.name, self.split, self.shard_size = Path(out_dir), name, split, shard_size
+        self.shards: list[dict] = [dict(s) for s in (resume or {}).get("shards", [])]
+        self.n_open = int((resume or {}).get("open_tokens", 0))   # tokens in the open shard
+        self.tokens = sum(s["tokens"] for s in self.shards) + self.n_open
+        self._file = None
+        if self.n_open:
+            path = self._partial_path()
+            if not path.is_file() or path.stat().st_size < HEADER_BYTES + 2 * self.n_open:
+                raise DataError(f"{path}: the partial shard to resume is missing or shorter than its recorded "
+                                f"{self.n_open} tokens. Fix: delete {self.out_dir / 'prepare_state.json'} to start over.")
+            self._file = open(path, "r+b")
+            self._file.truncate(HEADER_BYTES + 2 * self.n_open)
+            self._file.seek(0, os.SEEK_END)
 
     def add(self, toks: np.ndarray) -> None:
-        self.pending.append(toks)
-        self.n_pending += toks.size
+        """Append uint16 tokens; full shards are finished as they fill."""
+        toks = np.asarray(toks, dtype="<u2")
         self.tokens += toks.size
-        while self.n_pending >= self.shard_size:
-            allt = np.concatenate(self.pending)
-            self._write(allt[: self.shard_size])
-            rest = allt[self.shard_size:]
-            self.pending, self.n_pending = ([rest] if rest.size else []), rest.size
+        while toks.size:
+            if self._file is None:
+                self._file = open(self._partial_path(), "w+b")
+                self._file.write(bytes(HEADER_BYTES))  # the token count is written when the shard is finished
+            take = min(toks.size, self.shard_size - self.n_open)
+            self._file.write(toks[:take].tobytes())
+            self.n_open += take
+            toks = toks[take:]
+            if self.n_open == self.shard_size:
+                self._finish()
+
+    def flush(self) -> dict:
+        """Everything added so far on disk; returns the position to resume from (JSON-able)."""
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        return {"shards": [dict(s) for s in self.shards], "open_tokens": self.n_open}
 
     def close(self) -> None:
-        if self.n_pending:
-            self._write(np.concatenate(self.pending))
-        self.pending, self.n_pending = [], 0
+        """Finish the last, shorter shard."""
+        if self._file is not None:
+            self._finish()
 
-    def _write(self, toks: np.ndarray) -> None:
+    def abandon(self) -> None:
+        """Close the open file without finishing its shard (an interrupted prepare keeps it to resume)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def _partial_path(self) -> Path:
+        return self.out_dir / f".{shard_filename(self.name, self.split, len(self.shards))}.partial"
+
+    def _finish(self) -> None:
+        header = np.zeros(HEADER_INTS, dtype="<i4")
+        header[0], header[1], header[2] = MAGIC, VERSION, self.n_open
+        f, self._file = self._file, None
+        f.seek(0)
+        f.write(header.tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
         fname = shard_filename(self.name, self.split, len(self.shards))
-        write_shard(self.out_dir / fname, toks)
-        self.shards.append({"file": fname, "tokens": int(toks.size)})
+        os.replace(self._partial_path(), self.out_dir / fname)
+        self.shards.append({"file": fname, "tokens": self.n_open})
+        self.n_open = 0

@@ -14,7 +14,13 @@ only) takes a step at the scheduled learning rate: linear warmup, then cosine or
 (WSD) down to min_lr. Parameters (master weights) and optimizer state stay float32 in every precision.
 
 Every eval_interval steps: val loss and perplexity, a line in OUT/metrics.jsonl, OUT/loss.png redrawn,
-and a few sampled lines. Every checkpoint_interval steps (and at the end): a checkpoint (checkpoint.py)
+and a few sampled lines. With --hellaswag FILE, every hellaswag_interval steps (a multiple of
+eval_interval) the same line also gets hellaswag_acc_norm (lm-eval-harness's, per character) and
+hellaswag_acc_token_norm (llm.c's "acc_norm", per token), scored by gpt2.evaluate.hellaswag; under
+torchrun each rank scores its share of the examples and the hits are summed (FSDP: every rank scores
+all, since a sharded forward needs every rank). --wandb PROJECT and --tensorboard DIR send the same
+numbers (as eval/*, and each step's loss, lr and grad norm as train/*) to Weights & Biases (WANDB_MODE=offline needs no
+network) and TensorBoard from rank 0 (`Trackers`); both are optional extras, loss.png needs neither. Every checkpoint_interval steps (and at the end): a checkpoint (checkpoint.py)
 holding weights, optimizer, schedule step, data-iterator position and RNG states, so that `--resume`
 continues exactly where the newest checkpoint left off: with --deterministic (the default on CPU) the
 losses after a resume equal those of an uninterrupted run, bit for bit.
@@ -102,6 +108,11 @@ class TrainConfig:
     eval_batches: int = 20
     checkpoint_interval: int = 500
     keep_last: int = 3                   # checkpoints kept; 0 keeps all
+    hellaswag: str | None = None         # HellaSwag jsonl (hellaswag_val.jsonl): acc_norm logged during training
+    hellaswag_interval: int | None = None  # steps between HellaSwag evals (None: every eval_interval)
+    hellaswag_limit: int | None = None   # score only the first N examples (None: all 10,042 of the val split)
+    wandb: str | None = None             # Weights & Biases project (optional `track` extra; WANDB_MODE=offline works)
+    tensorboard: str | None = None       # TensorBoard log directory (optional `track` extra)
     num_samples: int = 2                 # sampled lines printed at each eval (0 disables)
     sample_tokens: int = 48
     sample_prompt: str = "\n"
@@ -127,7 +138,9 @@ class TrainConfig:
         if self.dtype == "float16" and not self.device.startswith("cuda"):
             raise ConfigError("float16 training needs CUDA (a GradScaler); use --dtype bfloat16 on CPU")
         for name in ("batch_size", "seq_len", "max_steps", "eval_interval", "eval_batches", "checkpoint_interval",
-                     "vocab_multiple"):
+                     "vocab_multiple", "hellaswag_interval", "hellaswag_limit"):
+            if getattr(self, name) is None:
+                continue
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)!r}")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
@@ -140,6 +153,9 @@ class TrainConfig:
             raise ConfigError(f"max_minutes must be positive, got {self.max_minutes}")
         if self.dropout is not None and not 0 <= self.dropout < 1:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.hellaswag_interval is not None and self.hellaswag_interval % self.eval_interval:
+            raise ConfigError(f"hellaswag_interval {self.hellaswag_interval} must be a multiple of eval_interval "
+                              f"{self.eval_interval}: HellaSwag runs at an eval and goes into its metrics line")
 
     @property
     def budget_s(self) -> float | None:
@@ -401,6 +417,67 @@ def estimate_val_loss(model: nn.Module, loader: DataLoader, batches: int, info: 
     return all_reduce_mean(total / batches, info).item()
 
 
+def hellaswag_accuracy(run: Run, model: nn.Module) -> dict:
+    """{"hellaswag_acc_norm", "hellaswag_acc_token_norm"} over cfg.hellaswag (gpt2.evaluate.hellaswag), the
+    examples split over ranks and the hits summed (FSDP: every rank scores them all, see the docstring)."""
+    from gpt2.evaluate import hellaswag
+    from gpt2.tokenizer import Tokenizer
+    cfg, info = run.cfg, run.info
+    rank, world_size = (0, 1) if run.sharded else (info.rank, info.world_size)
+    was_training = model.training
+    model.eval()
+    with run.autocast():
+        result = hellaswag(model, Tokenizer.gpt2(), cfg.hellaswag, batch_size=cfg.batch_size,
+                           limit=cfg.hellaswag_limit, rank=rank, world_size=world_size)
+    model.train(was_training)
+    n = result["examples"]
+    hits = torch.tensor([result["acc_norm"] * n, result["acc_token_norm"] * n, n], dtype=torch.float64,
+                        device=info.device)
+    if world_size > 1:
+        hits = all_reduce_mean(hits, info) * world_size  # sums of hit counts (exact in float64)
+    return {"hellaswag_acc_norm": float(hits[0] / hits[2]), "hellaswag_acc_token_norm": float(hits[1] / hits[2])}
+
+
+class Trackers:
+    """Optional metric sinks on rank 0: Weights & Biases (cfg.wandb, a project) and TensorBoard (cfg.tensorboard,
+    a log directory). Each needs its package (the `track` extra); neither is ever required."""
+
+    def __init__(self, cfg: TrainConfig, info: DistInfo, model_config: dict):
+        self.wandb_run, self.tensorboard = None, None
+        if not info.is_main:
+            return
+        if cfg.wandb:
+            Path(cfg.out).mkdir(parents=True, exist_ok=True)  # wandb writes its run files under OUT/wandb
+            try:
+                import wandb
+            except ImportError:
+                raise ConfigError("--wandb needs the wandb package. Fix: pip install 'gpt2[track]'.") from None
+            self.wandb_run = wandb.init(project=cfg.wandb, dir=cfg.out, config={"train": dataclasses.asdict(cfg),
+                                                                                  "model": model_config})
+        if cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ConfigError("--tensorboard needs the tensorboard package. Fix: pip install 'gpt2[track]'.") from None
+            self.tensorboard = SummaryWriter(cfg.tensorboard)
+
+    def log(self, record: dict, step: int, section: str) -> None:
+        """The record's numbers as SECTION/key ("train": each step's; "eval": a metrics.jsonl line's)."""
+        scalars = {f"{section}/{k}": v for k, v in record.items() if k != "step" and isinstance(v, (int, float))
+                   and math.isfinite(v)}
+        if self.wandb_run is not None:
+            self.wandb_run.log(scalars, step=step)
+        if self.tensorboard is not None:
+            for key, value in scalars.items():
+                self.tensorboard.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
 @torch.no_grad()
 def sample_lines(model: GPT, cfg: TrainConfig) -> list[str]:
     """A few sampled continuations of sample_prompt (engine.generate), decoded; [] for a toy vocabulary."""
@@ -452,7 +529,14 @@ def plot_losses(out: Path) -> Path:
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper left")
+    hellaswag = [r for r in evals if "hellaswag_acc_norm" in r]
+    if hellaswag:  # accuracy on its own axis, on the right
+        acc = ax.twinx()
+        acc.plot([r["step"] for r in hellaswag], [r["hellaswag_acc_norm"] for r in hellaswag], "s--", color="tab:green",
+                 label="HellaSwag acc_norm")
+        acc.set_ylabel("HellaSwag acc_norm")
+        acc.legend(loc="upper right")
     fig.tight_layout()
     path = out / "loss.png"
     atomic_write_bytes(path, lambda tmp: fig.savefig(tmp, format="png"))
@@ -526,6 +610,7 @@ class Run:
     tokens_per_step: int            # all ranks, all micro-batches
     flops_per_token: float
     peak_flops: float               # all ranks together
+    trackers: Trackers              # wandb / TensorBoard (rank 0; empty when neither is asked for)
 
     @property
     def sharded(self) -> bool:
@@ -606,6 +691,8 @@ def _check_inputs(cfg: TrainConfig, device: str) -> None:
     if not Path(cfg.data).exists():
         raise DataError(f"{cfg.data}: no such data directory. Fix: run `gpt2 prepare shakespeare --out {cfg.data}` "
                         "(or `gpt2 prepare FILES --out DIR`) first.")
+    if cfg.hellaswag and not Path(cfg.hellaswag).is_file():
+        raise DataError(f"--hellaswag {cfg.hellaswag}: no such file. Fix: give HellaSwag's hellaswag_val.jsonl.")
 
 
 def _resume_checkpoint(cfg: TrainConfig, out: Path) -> checkpoint.Checkpoint | None:
@@ -652,6 +739,9 @@ def build_run(cfg: TrainConfig, model_config: GPTConfig | None, info: DistInfo,
     model = build_training_model(cfg, model_config)
     if cfg.seq_len > model.config.n_positions:
         raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's context length {model.config.n_positions}")
+    if cfg.hellaswag and model.config.vocab_size != GPT2_VOCAB_SIZE:
+        raise ConfigError(f"--hellaswag needs GPT-2's vocabulary ({GPT2_VOCAB_SIZE} tokens); this model has "
+                          f"{model.config.vocab_size}")
     dtype, why = choose_dtype(cfg, model.to(info.device), info, ckpt)
     if cfg.dtype == "auto":
         log.info(f"dtype auto -> {dtype} ({why})")
@@ -673,7 +763,8 @@ def build_run(cfg: TrainConfig, model_config: GPTConfig | None, info: DistInfo,
                scaler=torch.amp.GradScaler("cuda", enabled=cfg.dtype == "float16"), loader=loader,
                val_loader=val_loader, grad_accum=grad_accum, tokens_per_step=tokens_per_micro * grad_accum,
                flops_per_token=flops_per_token(raw_model, cfg.seq_len),
-               peak_flops=peak_flops(cfg, info.device) * info.world_size)
+               peak_flops=peak_flops(cfg, info.device) * info.world_size,
+               trackers=Trackers(cfg, info, raw_model.config.to_dict()))
 
 
 def start_state(run: Run, ckpt: checkpoint.Checkpoint | None) -> LoopState:
@@ -760,27 +851,34 @@ def progress_bar(cfg: TrainConfig, info: DistInfo, state: LoopState):
 def log_step(run: Run, state: LoopState, meter: Meter, bar, train_loss: float, lr: float, grad_norm: float) -> None:
     """A line in steps.jsonl (rank 0) and the progress bar's position and postfix."""
     if run.info.is_main:
-        _append_jsonl(run.out / "steps.jsonl", {"step": state.step, "train_loss": train_loss, "lr": lr,
-                                                 "grad_norm": grad_norm})
+        step_record = {"step": state.step, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm}
+        _append_jsonl(run.out / "steps.jsonl", step_record)
+        run.trackers.log(step_record, state.step, "train")
     timed = run.cfg.budget_s is not None
     bar.update(min(round(state.elapsed_s), bar.total) - bar.n if timed else 1)
     bar.set_postfix_str(f"{f'step {state.step} | ' if timed else ''}loss {train_loss:.3f} | "
                         f"{meter.tokens_per_s:,.0f} tok/s | MFU {100 * meter.mfu:.1f}%", refresh=False)
 
 
-def evaluate_and_log(run: Run, state: LoopState, meter: Meter, lr: float, show_samples: bool) -> None:
-    """Val loss into state; a metrics.jsonl line, loss.png and a log line (rank 0); a few samples if asked."""
+def evaluate_and_log(run: Run, state: LoopState, meter: Meter, lr: float, show_samples: bool, final: bool) -> None:
+    """Val loss into state (and HellaSwag when due); a metrics.jsonl line, loss.png, the trackers and a log
+    line (rank 0); a few samples if asked."""
     eval_model = run.model if run.sharded else run.raw_model  # FSDP2's forward gathers the shards
     state.val_loss = estimate_val_loss(eval_model, run.val_loader, run.cfg.eval_batches, run.info, run.autocast)
     record = {"step": state.step, "train_loss": meter.mean_loss(), "val_loss": state.val_loss,
               "val_ppl": math.exp(min(state.val_loss, 50.0)), "lr": lr, "tokens": state.tokens,
               "tokens_per_s": meter.tokens_per_s, "mfu": meter.mfu, "elapsed_s": round(state.elapsed_s, 3)}
+    hellaswag_every = run.cfg.hellaswag_interval or run.cfg.eval_interval
+    if run.cfg.hellaswag and (state.step % hellaswag_every == 0 or final):
+        record.update(hellaswag_accuracy(run, eval_model))
     if not run.info.is_main:
         return
     _append_jsonl(run.out / "metrics.jsonl", record)
     plot_losses(run.out)
+    run.trackers.log(record, state.step, "eval")
+    hs = f" | hellaswag {record['hellaswag_acc_norm']:.4f}" if "hellaswag_acc_norm" in record else ""
     log.info(f"step {state.step}: train {record['train_loss']:.4f} | val {state.val_loss:.4f} "
-             f"(ppl {record['val_ppl']:.1f}) | {meter.tokens_per_s:,.0f} tok/s | MFU {100 * meter.mfu:.1f}% | "
+             f"(ppl {record['val_ppl']:.1f}){hs} | {meter.tokens_per_s:,.0f} tok/s | MFU {100 * meter.mfu:.1f}% | "
              f"{state.elapsed_s:.0f}s")
     if show_samples and run.cfg.num_samples and not run.sharded:
         for line in sample_lines(run.raw_model, run.cfg):
@@ -848,7 +946,7 @@ def _train(cfg: TrainConfig, model_config: GPTConfig | None, info: DistInfo) -> 
 
     last_path = None
     done = state.step >= cfg.max_steps or run.out_of_time(state)
-    with progress_bar(cfg, info, state) as bar:
+    with progress_bar(cfg, info, state) as bar, contextlib.closing(run.trackers):
         state.start_clock()
         meter = Meter()
         while not done:
@@ -858,7 +956,7 @@ def _train(cfg: TrainConfig, model_config: GPTConfig | None, info: DistInfo) -> 
             log_step(run, state, meter, bar, train_loss, lr, grad_norm)
             done = state.step >= cfg.max_steps or broadcast_object(run.out_of_time(state), info)
             if state.step % cfg.eval_interval == 0 or done:
-                evaluate_and_log(run, state, meter, lr, show_samples=not done)
+                evaluate_and_log(run, state, meter, lr, show_samples=not done, final=done)
                 meter = Meter()
             if state.step % cfg.checkpoint_interval == 0 or done:
                 last_path = save_checkpoint(run, state)
