@@ -40,12 +40,18 @@ class SchedulerClosed(GPT2Error):
     """The scheduler is shutting down and takes no new work."""
 
 
+class KVLimitExceeded(GPT2Error):
+    """A sequence needs more KV memory than max_kv_mb allows, even alone (the server answers 429)."""
+
+
 @dataclass(eq=False)
 class Continuation:
     """One generated continuation of one prompt. Events go to `emit`, called from the scheduler thread:
 
     ("prompt", entries) first, only with `echo_logprobs`: one entry per prompt token after the first;
-    ("token", id, entry) for each new id (stop ids are not emitted); then one ("done", reason) with
+    ("token", id, entry) for each new id; a stop id is not a token of the output, but with `logprobs` set
+    it comes as ("stop_token", id, entry) just before ("done", "stop"), so a client that wants one
+    logprob entry per generated token (lm-eval) gets its score too; then one ("done", reason) with
     reason "stop" (a stop id, or cancel(seq, "stop")), "length" (max_new_tokens) or "cancelled".
     An entry is (logprob of the token, [(id, logprob)] of the top `logprobs`) from the model's
     distribution (log_softmax of the raw logits); a token's entry is None unless `logprobs` is set.
@@ -78,10 +84,14 @@ def logprob_entries(logits: torch.Tensor, ids: list[int], top: int) -> list[tupl
 
 
 class Scheduler:
-    def __init__(self, model, max_batch: int = 16, max_queue: int = 64, initial_capacity: int = 128):
+    def __init__(self, model, max_batch: int = 16, max_queue: int = 64, initial_capacity: int = 128, *,
+                 prefill_chunk: int = 256, prefix_cache: bool = True, max_kv_mb: float | None = None,
+                 idle_shrink_s: float = 5.0):
         if max_batch < 1 or max_queue < 0:
             raise ValueError("max_batch must be >= 1 and max_queue >= 0")
         self.model = model.eval()
+        self.prefill_chunk, self.use_prefix_cache, self.idle_shrink_s = prefill_chunk, prefix_cache, idle_shrink_s
+        self.kv_limit_bytes = None if max_kv_mb is None else int(max_kv_mb * (1 << 20))
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.n_positions = model.config.n_positions
@@ -159,6 +169,12 @@ class Scheduler:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(10.0)
+
+    def stats(self) -> dict:
+        """Gauges for /metrics (thread-safe): sequences waiting and decoding, KV bytes held and allowed."""
+        with self._cond:
+            return {"queue_depth": len(self._waiting), "running": len(self._rows),
+                    "kv_bytes": self.kv.nbytes, "kv_limit_bytes": self.kv_limit_bytes, "prefix_cache_bytes": 0}
 
     @property
     def busy(self) -> int:
@@ -238,10 +254,12 @@ class Scheduler:
         ids = next_tokens(logits, seq.sampling, seq._generator, state.seen, state.counts, state.bias)  # (1,)
         state.record(ids)
         t = int(ids[0])
+        entry = None if seq.logprobs is None else logprob_entries(logits, [t], seq.logprobs)[0]
         if t in seq.stop_token_ids:
+            if entry is not None:
+                self._emit(seq, ("stop_token", t, entry))
             self._finish(seq, "stop")
             return None
-        entry = None if seq.logprobs is None else logprob_entries(logits, [t], seq.logprobs)[0]
         seq.generated += 1
         self.tokens += 1
         self._emit(seq, ("token", t, entry))

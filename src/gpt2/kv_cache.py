@@ -93,6 +93,12 @@ class BatchKV:
                    initial_capacity, device=weight.device, dtype=weight.dtype)
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of keys and values allocated."""
+        k = self.k
+        return 0 if k is None else 2 * k.numel() * k.element_size()
+
+    @property
     def capacity(self) -> int:
         """Columns allocated so far."""
         return 0 if self.k is None else self.k.size(3)
