@@ -597,7 +597,7 @@ def test_sigterm_lets_in_flight_requests_finish(model_dir, model, tok):
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "gpt2", "serve", "--model", str(model_dir), "--port", str(port),
-                             "--max-batch", "4"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                             "--max-batch", "4", "--alias", "tiny"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
@@ -621,8 +621,7 @@ def test_sigterm_lets_in_flight_requests_finish(model_dir, model, tok):
                     text += json.loads(line[6:])["choices"][0]["text"]
         assert lines[-1] == "data: [DONE]"
         assert text == reference(model, tok, PROMPTS[0], 100)
-        # uvicorn re-raises the SIGTERM it caught once shutdown is complete
-        assert proc.wait(30) in (0, -signal.SIGTERM)
+        assert proc.wait(30) == 0  # drained, then a clean exit (uvicorn alone re-raises the SIGTERM: -15)
         log = proc.stdout.read().decode()
         assert "Application shutdown complete" in log and "Traceback" not in log
     finally:
