@@ -33,7 +33,7 @@ from gpt2.batching import Continuation, Scheduler, SchedulerClosed
 from gpt2.engine import generate
 from gpt2.kv_cache import BatchKV, KVCache
 from gpt2.sampling import SamplingConfig
-from gpt2.server import APIError, CompletionRequest, ServerConfig, create_app, request_to_sequences
+from gpt2.server import APIError, CompletionRequest, ServerConfig, create_app, request_to_sequences, uvicorn_config
 from gpt2.tokenizer import Tokenizer
 
 N_POSITIONS = 128
@@ -68,11 +68,10 @@ def free_port() -> int:
 @contextmanager
 def running_server(model, tok, **overrides):
     """uvicorn in a thread on a free loopback port; yields url, port and the scheduler."""
-    cfg = ServerConfig(model="tiny", **overrides)
+    cfg = ServerConfig(**{"model": "tiny", "port": free_port(), "shutdown_timeout": 5, **overrides})
     app = create_app(model, tok, cfg)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=5))
+    port = cfg.port
+    server = uvicorn.Server(uvicorn_config(app, cfg, log_level="warning"))  # as `gpt2 serve` runs it
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -80,7 +79,7 @@ def running_server(model, tok, **overrides):
         assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
         time.sleep(0.02)
     try:
-        yield SimpleNamespace(port=port, url=f"http://127.0.0.1:{port}", scheduler=app.state.scheduler)
+        yield SimpleNamespace(port=port, url=f"http://127.0.0.1:{port}", scheduler=app.state.scheduler, cfg=cfg)
     finally:
         server.should_exit = True
         thread.join(30)

@@ -107,8 +107,6 @@ class ChatCompletionRequest(BaseModel):
         return CompletionRequest(**fields, prompt=prompt, max_tokens=limit, stream_options=self.stream_options)
 
 
-REQUEST_MODELS = [CompletionRequest, ChatCompletionRequest]
-
 _UNION_FIELDS = {  # pydantic reports every union member's failure; one sentence says it better
     "prompt": "prompt must be a string, a list of strings, a list of token ids (non-negative integers) "
               "or a list of such lists",
@@ -252,3 +250,8 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: Literal["list"]
     data: list[ModelCard]
+
+
+# What the routes do not declare to FastAPI (bodies parsed by hand, stream events): server.openapi_schema adds them.
+UNDECLARED_MODELS = [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation"),
+                     (ChatCompletionChunk, "serialization")]

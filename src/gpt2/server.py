@@ -69,7 +69,7 @@ from gpt2.batching import Continuation, KVLimitExceeded, QueueFull, Scheduler, S
 from gpt2.chat import ChatTemplate, ChatTemplateError
 from gpt2.config import GPT2_EOT, require_gpt2_vocab
 from gpt2.metrics import ServerMetrics
-from gpt2.openai_api import (REQUEST_MODELS, APIError, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
+from gpt2.openai_api import (UNDECLARED_MODELS, APIError, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
                              Completion, CompletionRequest, ErrorResponse, ModelList, parse_request)
 from gpt2.sampling import SamplingConfig
 from gpt2.tokenizer import TextStream
@@ -230,11 +230,10 @@ def endpoint_schema(request_model, response_model, event_model=None) -> dict:
 
 
 def openapi_schema(app: FastAPI) -> dict:
-    """FastAPI's schema of the routes, plus the request models that the routes parse by hand."""
+    """FastAPI's schema of the routes, plus the models the routes parse by hand or stream."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        _, defs = models_json_schema([(m, "validation") for m in REQUEST_MODELS],
-                                     ref_template="#/components/schemas/{model}")
+        _, defs = models_json_schema(UNDECLARED_MODELS, ref_template="#/components/schemas/{model}")
         schema["components"]["schemas"].update(defs["$defs"])
         app.openapi_schema = schema
     return app.openapi_schema
