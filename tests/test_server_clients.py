@@ -9,6 +9,7 @@ lm-eval runs fully offline on three tasks from local JSONL files; Chromium is De
 Playwright (its own browser download is never used).
 """
 
+import colorsys
 import json
 import os
 import shutil
@@ -411,7 +412,9 @@ def test_playground_streams_the_same_tokens_as_the_api_in_chromium(srv, tmp_path
             browser.close()
     assert [t for t, _, _ in spans] == api["tokens"]                      # the same tokens for the same seed
     assert [lp for _, lp, _ in spans] == pytest.approx(api["token_logprobs"], abs=1e-6)
-    assert len({bg for _, _, bg in spans}) > 1                            # coloured by probability
+    hues = [colorsys.rgb_to_hls(*(int(c) / 255 for c in bg[4:-1].split(",")))[0] for _, _, bg in spans]
+    by_logprob = [h for _, h in sorted(zip([lp for _, lp, _ in spans], hues))]
+    assert by_logprob == sorted(by_logprob) and by_logprob[-1] > by_logprob[0]  # likelier is greener
     alternatives = sorted(api["top_logprobs"][2].items(), key=lambda kv: -kv[1])
     assert len(alternatives) == 5 and len(tip.strip().splitlines()) == 5  # the top 5 on hover
     for token, _ in alternatives:
