@@ -509,20 +509,21 @@ class Scheduler:
 
     def _make_room(self, seq: Continuation, shared: Prefill | None) -> bool:
         """Whether seq fits in KV memory besides the rows and prefills, at worst (every row at its full
-        length, each prefill with its own cache); evicts prefix-cache entries or shrinks the batch
-        storage when that makes it fit. Called with the lock held."""
+        length, each prefill with its own cache). To make it fit, batch storage left larger than the
+        rows need is shrunk, then prefix-cache entries are evicted. Called with the lock held."""
         if self.kv_limit_bytes is None:
             return True
         seqs = self._rows + [s for p in self._prefills for s in p.seqs] + [seq]
         batch = self.kv.bytes_for(len(seqs), max(s.max_positions for s in seqs))
         prefills = self._prefill_bytes() + (0 if shared is not None else len(seq.prompt) * self.kv.bytes_per_position)
-        room = self.kv_limit_bytes - prefills
-        if max(batch, self.kv.nbytes) > room and batch <= room:
+        if batch + prefills > self.kv_limit_bytes:
+            return False
+        prefix = self.prefix.nbytes if self.prefix is not None else 0
+        if self.kv.nbytes > batch and self.kv.nbytes + prefills + prefix > self.kv_limit_bytes:
             self.kv.shrink()  # rows that left made it larger than the rows now need
-        room -= max(batch, self.kv.nbytes)
-        if self.prefix is not None and room >= 0:
-            self.prefix.evict(room)
-        return room >= 0
+        if self.prefix is not None:
+            self.prefix.evict(self.kv_limit_bytes - prefills - max(batch, self.kv.nbytes))
+        return True
 
     # -- sequences -------------------------------------------------------------------------------
 
