@@ -1,13 +1,25 @@
-"""Server throughput: continuous batching vs one request at a time, 16 concurrent clients.
+"""The server under load, over HTTP: throughput, time to first token, inter-token latency; chunked
+prefill and the prefix cache against their baselines.
 
-    flock /tmp/gpt2-bench.lock .venv/bin/python benchmarks/bench_server.py            # ~2-3 min on 2 cores
-    .venv/bin/python benchmarks/bench_server.py --model gpt2 --clients 16 --max-tokens 32
+    flock -x /tmp/gpt2-bench.lock .venv/bin/python benchmarks/bench_server.py                 # every part
+    .venv/bin/python benchmarks/bench_server.py --part load --clients 16 64 --max-tokens 16
+    .venv/bin/python benchmarks/bench_server.py --part chunked     # a 900-token prompt while 8 streams decode
+    .venv/bin/python benchmarks/bench_server.py --part prefix      # the same 900-token prompt twice
 
-Starts `gpt2 serve` twice on a free loopback port: with --max-batch 16 (continuous batching) and with
---max-batch 1 (the same server forced to one request at a time). Each run: one warm-up request, then
-`--clients` threads each send `--requests` greedy completions of `--max-tokens` new tokens (EOS is
-banned with logit_bias so every request makes exactly that many) for short prompts of varied length.
-Prints aggregate completion tokens/s, p50/p99 request latency, and the throughput ratio.
+Each part starts `gpt2 serve` on a free loopback port, once per contender, and drives it with streaming
+requests (server-sent events; the arrival time of each event is a token's time):
+  load     `--clients` concurrent clients, one request each, token-id prompts of lengths spread evenly
+           over 10..900 (shuffled), `--max-tokens` new tokens each. Contenders: the server as shipped
+           (chunked prefill, prefix cache), the same with --prefill-chunk 0 --no-prefix-cache, and the
+           one-at-a-time server (--max-batch 1). Figures: completion tokens/s, p50/p99 of time to first
+           token (TTFT) and of inter-token latency (ITL).
+  chunked  8 streams decode; once each has 10 tokens, one 900-token prompt arrives. Figures: the streams'
+           ITL p99 while it is prefilled, and the time of one chunk alone (TTFT of a --prefill-chunk-token
+           prompt on the idle server). The issue's bar: p99 <= 2 x one chunk. Against --prefill-chunk 0.
+  prefix   the same 900-token prompt twice, one after the other (max_tokens 1): TTFT of each; the bar:
+           the second >= 5x sooner. Against --no-prefix-cache.
+Every token is forced to " the" with logit_bias (+100 on one id), so each step emits one event of text
+and no request stops early; the arithmetic is the same as for unforced tokens.
 Default model: GPT-2 124M with random weights (the speed is the same as the real weights').
 """
 
@@ -16,18 +28,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 
 import httpx
 
-PROMPTS = ["Hello, my dog", "The meaning of life is", "In a shocking finding, scientists discovered a herd of",
-           "Once upon a time", "The quick brown fox jumps over the lazy dog because", "Python is",
-           "My favourite food is", "The history of the Roman Empire began when"]
+FORCED = {"262": 100.0}  # " the": every step emits one visible token
 
 
 def free_port() -> int:
@@ -38,56 +50,28 @@ def free_port() -> int:
 
 def percentile(values, q):
     values = sorted(values)
-    return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
+    return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))] if values else float("nan")
 
 
-def run(model: str, max_batch: int, args) -> dict:
+@contextmanager
+def server(model: str, flags: list[str]):
+    """`gpt2 serve` with these flags on a free port, warmed up; yields its URL."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "gpt2", "serve", "--model", model, "--port", str(port),
-                             "--max-batch", str(max_batch), "--max-queue", "256"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--max-queue", "256", "--alias", "bench", *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
         while True:
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start")
+                raise RuntimeError(f"the server did not start ({flags})")
             try:
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
-        body = {"model": "bench", "max_tokens": args.max_tokens, "temperature": 0, "logit_bias": {"50256": -100}}
-        httpx.post(f"{url}/v1/completions", json={**body, "prompt": "warm up"}, timeout=300).raise_for_status()
-
-        latencies, tokens, errors = [], [], []
-        lock = threading.Lock()
-
-        def client(i):
-            with httpx.Client(timeout=600) as http:
-                for r in range(args.requests):
-                    t = time.perf_counter()
-                    resp = http.post(f"{url}/v1/completions",
-                                     json={**body, "prompt": PROMPTS[(i + r) % len(PROMPTS)]})
-                    with lock:
-                        if resp.status_code != 200:
-                            errors.append(resp.status_code)
-                        else:
-                            latencies.append(time.perf_counter() - t)
-                            tokens.append(resp.json()["usage"]["completion_tokens"])
-
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(args.clients)]
-        start = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - start
-        if errors:
-            raise RuntimeError(f"{len(errors)} requests failed: {errors[:5]}")
-        return {"max_batch": max_batch, "requests": len(latencies), "tokens": sum(tokens), "wall_s": wall,
-                "tokens_per_s": sum(tokens) / wall, "p50_s": percentile(latencies, 50),
-                "p99_s": percentile(latencies, 99)}
+        stream_request(url, [464] * 40, 4)  # warm up
+        yield url
     finally:
         proc.terminate()
         try:
@@ -96,39 +80,156 @@ def run(model: str, max_batch: int, args) -> dict:
             proc.kill()
 
 
+def stream_request(url: str, prompt: list[int], max_tokens: int, on_token=None) -> dict:
+    """One streaming completion: its start time, each token event's arrival time (perf_counter)."""
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "logit_bias": FORCED}
+    start, times = time.perf_counter(), []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                times.append(time.perf_counter())
+                if on_token is not None:
+                    on_token(len(times))
+    return {"start": start, "times": times}
+
+
+def gaps(times: list[float]) -> list[float]:
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def summary(results: list[dict], wall: float) -> dict:
+    ttft = [r["times"][0] - r["start"] for r in results]
+    itl = [g for r in results for g in gaps(r["times"])]
+    tokens = sum(len(r["times"]) for r in results)
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
+            "itl_p50": percentile(itl, 50), "itl_p99": percentile(itl, 99)}
+
+
+def concurrent(url: str, prompts: list[list[int]], max_tokens: int) -> dict:
+    results = [None] * len(prompts)
+
+    def client(i):
+        results[i] = stream_request(url, prompts[i], max_tokens)
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return summary(results, time.perf_counter() - start)
+
+
+def mixed_prompts(clients: int, seed: int) -> list[list[int]]:
+    """Prompt lengths spread evenly over 10..900, shuffled; random token ids."""
+    rng = random.Random(seed)
+    lengths = [10 + round(i * 890 / max(1, clients - 1)) for i in range(clients)]
+    rng.shuffle(lengths)
+    return [[rng.randrange(50000) for _ in range(n)] for n in lengths]
+
+
+def part_load(model: str, args) -> list[str]:
+    contenders = [("chunked + prefix cache", [f"--prefill-chunk={args.prefill_chunk}"]),
+                  ("whole prompts, no prefix cache", ["--prefill-chunk=0", "--no-prefix-cache"]),
+                  ("one at a time (--max-batch 1)", ["--max-batch=1"])]
+    lines = [f"{'server':32s} {'clients':>7s} {'tokens':>6s} {'wall s':>7s} {'tok/s':>6s} "
+             f"{'TTFT p50':>8s} {'TTFT p99':>8s} {'ITL p50':>8s} {'ITL p99':>8s}"]
+    for clients in args.clients:
+        prompts = mixed_prompts(clients, seed=clients)
+        for name, flags in contenders:
+            with server(model, ["--max-batch", str(args.max_batch), *flags]) as url:
+                r = concurrent(url, prompts, args.max_tokens)
+            lines.append(f"{name:32s} {clients:7d} {r['tokens']:6d} {r['wall_s']:7.1f} {r['tokens_per_s']:6.1f} "
+                         f"{r['ttft_p50']:8.2f} {r['ttft_p99']:8.2f} {r['itl_p50']:8.3f} {r['itl_p99']:8.3f}")
+            print(lines[-1], flush=True)
+    return lines
+
+
+def part_chunked(model: str, args) -> list[str]:
+    rng = random.Random(1)
+    long_prompt = [rng.randrange(50000) for _ in range(900)]
+    lines = []
+    for name, chunk in [(f"--prefill-chunk {args.prefill_chunk}", args.prefill_chunk), ("--prefill-chunk 0", 0)]:
+        with server(model, ["--max-batch", "16", f"--prefill-chunk={chunk}", "--no-prefix-cache"]) as url:
+            # one chunk alone: a prompt of exactly one chunk on the idle server (median of 3)
+            chunk_times = []
+            for _ in range(3):
+                r = stream_request(url, long_prompt[:args.prefill_chunk], 1)
+                chunk_times.append(r["times"][0] - r["start"])
+            one_chunk = percentile(chunk_times, 50)
+            streaming = [threading.Event() for _ in range(8)]  # set at a stream's 10th token (never blocks it)
+            streams = [None] * 8
+
+            def stream(i):
+                streams[i] = stream_request(url, [464 + i] * 10, 120,
+                                            on_token=lambda n: n == 10 and streaming[i].set())
+            threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
+            for t in threads:
+                t.start()
+            for e in streaming:
+                e.wait(600)
+            long = stream_request(url, long_prompt, 1)
+            for t in threads:
+                t.join()
+        window = (long["start"], long["times"][0])
+        # gaps that overlap the prefill (the one a whole-prompt prefill stalls ends just after it)
+        during = [b - a for s in streams for a, b in zip(s["times"], s["times"][1:]) if a < window[1] and b > window[0]]
+        before = [g for s in streams for g in gaps(s["times"][:10])]
+        p99 = percentile(during, 99)
+        lines.append(f"{name}: 900-token prompt TTFT {window[1] - window[0]:.2f} s; the 8 streams' ITL p50 before "
+                     f"{percentile(before, 50) * 1e3:.0f} ms, p99 during its prefill {p99 * 1e3:.0f} ms "
+                     f"({len(during)} gaps); one {args.prefill_chunk}-token chunk alone {one_chunk * 1e3:.0f} ms; "
+                     f"p99 / chunk = {p99 / one_chunk:.2f} (bar: <= 2)")
+        print(lines[-1], flush=True)
+    return lines
+
+
+def part_prefix(model: str, args) -> list[str]:
+    rng = random.Random(2)
+    prompt = [rng.randrange(50000) for _ in range(900)]
+    lines = []
+    for name, flags in [("prefix cache", []), ("--no-prefix-cache", ["--no-prefix-cache"])]:
+        with server(model, flags) as url:
+            ttft = []
+            for _ in range(2):
+                r = stream_request(url, prompt, 1)
+                ttft.append(r["times"][0] - r["start"])
+        lines.append(f"{name}: TTFT of a 900-token prompt {ttft[0]:.3f} s, the same prompt again {ttft[1]:.3f} s: "
+                     f"{ttft[0] / ttft[1]:.1f}x sooner (bar: >= 5x with the cache)")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="model to serve (default: GPT-2 124M, random weights, in a tmp dir)")
-    p.add_argument("--clients", type=int, default=16)
-    p.add_argument("--requests", type=int, default=1, help="requests per client, one after another")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--max-batch", type=int, default=16, help="the batching server's --max-batch")
-    p.add_argument("--json", action="store_true", help="print one JSON object last")
+    p.add_argument("--part", choices=["load", "chunked", "prefix", "all"], default="all")
+    p.add_argument("--clients", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--max-tokens", type=int, default=16, help="new tokens per request in the load part")
+    p.add_argument("--max-batch", type=int, default=16, help="the batching servers' --max-batch")
+    p.add_argument("--prefill-chunk", type=int, default=256)
     args = p.parse_args(argv)
 
-    load_start = os.getloadavg()
+    import torch
+
+    from gpt2.kernels import cpu_features, cpu_model, memory_bandwidth_gbs
+    print(f"CPU: {cpu_model()} ({os.cpu_count()} cores; {' '.join(cpu_features()) or 'no bf16/VNNI/AMX flags'}); "
+          f"memory bandwidth {memory_bandwidth_gbs():.1f} GB/s; torch {torch.__version__}")
+    load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            import torch
-
             from gpt2 import GPT, GPTConfig
             torch.manual_seed(0)
             model = os.path.join(tmp, "gpt2-124M-random")
             GPT(GPTConfig.preset("gpt2")).save_pretrained(model)
-        batched = run(model, args.max_batch, args)
-        serial = run(model, 1, args)
-
-    ratio = batched["tokens_per_s"] / serial["tokens_per_s"]
-    print(f"{args.clients} clients x {args.requests} request(s) x {args.max_tokens} tokens, "
-          f"{os.cpu_count()} CPU cores")
-    print(f"{'server':28s} {'tokens':>7s} {'wall s':>8s} {'tokens/s':>9s} {'p50 s':>7s} {'p99 s':>7s}")
-    for name, r in [(f"continuous (--max-batch {args.max_batch})", batched), ("one at a time (--max-batch 1)", serial)]:
-        print(f"{name:28s} {r['tokens']:7d} {r['wall_s']:8.1f} {r['tokens_per_s']:9.1f} {r['p50_s']:7.2f} {r['p99_s']:7.2f}")
-    print(f"throughput ratio: {ratio:.2f}x")
-    print(f"load average (1 min) at the start {load_start[0]:.2f}, at the end {os.getloadavg()[0]:.2f}")
-    if args.json:
-        print(json.dumps({"batched": batched, "serial": serial, "ratio": ratio}))
+        for part, fn in [("prefix", part_prefix), ("chunked", part_chunked), ("load", part_load)]:
+            if args.part in (part, "all"):
+                print(f"-- {part}", flush=True)
+                fn(model, args)
+    print(f"load average (1 min) at the start {load_start:.2f}, at the end {os.getloadavg()[0]:.2f}")
     return 0
 
 

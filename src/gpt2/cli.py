@@ -434,13 +434,28 @@ def _generate_text(model, tok, prompt: str, cfg, num_samples: int, seed, stop: l
 # ---------------------------------------------------------------------------------------------
 
 def add_serve_parser(sub):
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions) with continuous batching")
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                                     "a playground at /) with continuous batching")
     p.add_argument("--model", required=True, help="Hugging Face directory, hub name (gpt2, ...) or our checkpoint")
+    p.add_argument("--alias", action="append", default=[], metavar="NAME",
+                   help="another name requests may give as `model` (repeatable; default: the directory's name only)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health and the playground page")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="Jinja chat template for /v1/chat/completions (default: plain 'Role: content' turns)")
     p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together (1: one at a time)")
     p.add_argument("--max-queue", type=int, default=64, help="sequences waiting for a slot before requests get 429")
+    p.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
+                   help="prompt tokens prefilled between two decode steps (0: each prompt whole)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="recompute a repeated prompt prefix instead of reusing its keys and values")
+    p.add_argument("--max-kv-mb", type=float, default=None, metavar="MB",
+                   help="KV cache limit; requests over it wait, or get 429 if they could never fit")
+    p.add_argument("--request-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds a request's head, then its body, may take to arrive (slower: 408)")
+    p.add_argument("--max-connections", type=int, default=256, help="open connections; more get 503")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "int8", "int4"], default="float32")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     p.set_defaults(func=cmd_serve)
@@ -448,8 +463,11 @@ def add_serve_parser(sub):
 
 def cmd_serve(args):
     from gpt2.server import ServerConfig, serve
-    serve(ServerConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
-                       max_batch=args.max_batch, max_queue=args.max_queue, dtype=args.dtype, device=args.device))
+    serve(ServerConfig(model=args.model, aliases=tuple(args.alias), host=args.host, port=args.port,
+                       api_key=args.api_key, chat_template=args.chat_template, max_batch=args.max_batch,
+                       max_queue=args.max_queue, prefill_chunk=args.prefill_chunk, prefix_cache=args.prefix_cache,
+                       max_kv_mb=args.max_kv_mb, request_timeout=args.request_timeout,
+                       max_connections=args.max_connections, dtype=args.dtype, device=args.device))
 
 
 # ---------------------------------------------------------------------------------------------

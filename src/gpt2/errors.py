@@ -26,3 +26,7 @@ class DataError(GPT2Error, ValueError):
 
 class ContextLengthError(GPT2Error, ValueError):
     """A prompt (plus the tokens to generate) does not fit in the model's context."""
+
+
+class KVLimitExceeded(GPT2Error):
+    """A sequence needs more KV-cache memory than the limit (`--max-kv-mb`) allows, even alone."""

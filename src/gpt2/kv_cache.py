@@ -17,13 +17,14 @@ joining and leaving between decode steps, in one storage with one write position
     mask = kv.decode_mask()                  # room for column pos, marked for every row: (rows, pos + 1)
     logits = model(ids, cache=kv, attention_mask=mask)   # ids (rows, 1): writes column pos, advances pos
     kv.remove(i)                             # row i leaves; the last row moves into slot i
+    kv.max_bytes = budget                    # growth stays within it; kv.release() frees the storage when idle
 """
 
 from __future__ import annotations
 
 import torch
 
-from gpt2.errors import ContextLengthError
+from gpt2.errors import ContextLengthError, KVLimitExceeded
 
 
 class KVCache:
@@ -68,26 +69,33 @@ class KVCache:
 class BatchKV:
     """Keys and values of up to max_batch sequences that join and leave between decode steps.
 
-    Storage k, v (L, max_batch, nh, C, hs); live rows packed at [0, rows):
+    Storage k, v (L, R, nh, C, hs) with R <= max_batch rows and C <= max_capacity columns allocated;
+    live rows packed at [0, rows):
       * All rows share one write position `pos` (P). A row's tokens sit right-aligned in columns
-        [P - len, P), and `mask` (max_batch, C) is 1 there and 0 to the left, exactly like left
+        [P - len, P), and `mask` (R, C) is 1 there and 0 to the left, exactly like left
         padding; the model derives positions as cumsum(mask) - 1, so they stay correct.
       * insert: a prefilled batch-1 KVCache's keys and values are copied into row `rows`, right-aligned
         to end at P. A prompt longer than P first shifts every row right.
       * remove: the last row moves into the freed slot.
-      * make_room: when column P would pass the storage, drop the leading columns no live row uses
-        (compaction), or grow the storage (doubling, up to max_capacity). A row never spans more than
-        its prompt plus max_new_tokens - 1 <= n_positions - 1 columns, so compaction always frees one.
+      * room (_fit): when a row or column P would pass the storage, drop the leading columns no live
+        row uses (compaction) if that frees half of them, else grow (doubling rows and columns). A row
+        never spans more than its prompt plus max_new_tokens - 1 <= n_positions - 1 columns, so
+        compaction always frees one at max_capacity.
+      * max_bytes: growth never allocates more (the scheduler's KV budget); under it the storage
+        compacts first and takes only what fits. release() frees everything when no row is live.
       * update/advance: the cache interface the model's forward uses, over the live rows (decode only:
         prefill happens in a KVCache, then insert).
     """
 
     def __init__(self, n_layer: int, max_batch: int, n_head: int, head_size: int, max_capacity: int,
                  initial_capacity: int = 128, device=None, dtype=torch.float32):
-        self.shape = (n_layer, max_batch, n_head, head_size)
+        self.n_layer, self.max_batch, self.n_head, self.head_size = n_layer, max_batch, n_head, head_size
         self.max_capacity = max_capacity
         self.initial_capacity = min(initial_capacity, max_capacity)
         self.device, self.dtype = device, dtype
+        # keys and values of one token of one row, every layer
+        self.bytes_per_position = 2 * n_layer * n_head * head_size * torch.empty((), dtype=dtype).element_size()
+        self.max_bytes: int | None = None   # set by the scheduler before each insert and decode step
         self.k = self.v = self.mask = None  # allocated on the first insert
         self.rows = 0                       # live rows, packed at [0, rows)
         self.pos = 0                        # the shared write position P
@@ -102,19 +110,36 @@ class BatchKV:
 
     @property
     def capacity(self) -> int:
-        """Columns allocated so far."""
+        """Columns allocated."""
         return 0 if self.k is None else self.k.size(3)
+
+    @property
+    def row_capacity(self) -> int:
+        """Rows allocated."""
+        return 0 if self.k is None else self.k.size(1)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of keys and values allocated."""
+        k = self.k  # one read: another thread may ask while the storage is replaced
+        return 0 if k is None else 2 * k.numel() * k.element_size()
+
+    def bytes_for(self, rows: int, columns: int) -> int:
+        """Bytes of keys and values a storage of rows x columns takes."""
+        return rows * columns * self.bytes_per_position
 
     # -- rows join and leave -------------------------------------------------------------------
 
     def insert(self, cache: KVCache) -> int:
         """Copy a batch-1 cache's first cache.pos positions into a new last row, ending at pos; its index."""
         T = cache.pos
-        if self.rows == self.shape[1]:
+        if self.rows == self.max_batch:
             raise ValueError(f"all {self.rows} rows are in use")
         if self.rows == 0:
             self.pos = 0
-        self._grow(max(T, self.pos))
+        end = max(self.pos, T)
+        if self.rows + 1 > self.row_capacity or end > self.capacity:
+            self._fit(self.rows + 1, end, max(self._span(), T))
         if T > self.pos:  # shift the batch right so the new row fits, ending at pos
             self._shift(T - self.pos)
         i, P = self.rows, self.pos
@@ -140,11 +165,26 @@ class BatchKV:
         """Every row leaves (the storage stays allocated)."""
         self.rows = self.pos = 0
 
+    def release(self) -> None:
+        """Free the storage (no row may be live); the next insert allocates again."""
+        assert self.rows == 0, "release() with live rows"
+        self.k = self.v = self.mask = None
+        self.pos = 0
+
+    def shrink(self) -> None:
+        """Storage for exactly the live rows and their columns (plus the next one); none if no row is live."""
+        if self.rows == 0:
+            self.release()
+            return
+        self._compact()
+        self._reallocate(self.rows, min(self.max_capacity, self.pos + 1))
+
     # -- one decode step -----------------------------------------------------------------------
 
     def decode_mask(self) -> torch.Tensor:
         """Make column pos exist and mark it for every live row; the step's attention mask (rows, pos + 1)."""
-        self.make_room()
+        if self.pos == self.capacity:
+            self._fit(self.rows, self.pos + 1, self._span() + 1)
         self.mask[:self.rows, self.pos] = 1
         return self.mask[:self.rows, :self.pos + 1]
 
@@ -163,19 +203,58 @@ class BatchKV:
 
     # -- storage geometry ----------------------------------------------------------------------
 
-    def make_room(self) -> None:
-        """Make column pos exist: grow the storage, or drop leading columns that every live row masks out."""
-        B, P, C = self.rows, self.pos, self.capacity
-        if P < C:
+    def _span(self) -> int:
+        """Columns from the first one a live row uses to pos (what compaction keeps)."""
+        if self.rows == 0:
+            return 0
+        used = self.mask[:self.rows, :self.pos].any(dim=0).nonzero()
+        return self.pos - int(used[0]) if len(used) else 0
+
+    def _fit(self, rows: int, end: int, width: int) -> None:
+        """Room for `rows` rows and columns [0, end), where `end` becomes `width` once compacted."""
+        C = self.capacity
+        if end > C and (end - width >= C // 2 or end > self.max_capacity):
+            self._compact()  # dropping unused columns frees enough
+            end = width
+        R, C = self.row_capacity, self.capacity
+        if rows <= R and end <= C:
             return
-        used = self.mask[:B, :P].any(dim=0).nonzero()
-        free = int(used[0]) if len(used) else P  # leading columns no live row uses
-        if C < self.max_capacity and free < C // 2:
-            self._grow(P + 1)
+        new_r = R if rows <= R else min(self.max_batch, max(2 * R, rows))
+        new_c = C
+        if end > C:
+            new_c = max(C, self.initial_capacity)
+            while new_c < end:
+                new_c *= 2
+            new_c = min(new_c, self.max_capacity)
+        if self.max_bytes is not None and self.bytes_for(new_r, new_c) > self.max_bytes:
+            self._compact()  # within the budget: no unused column, no spare row, as many columns as fit
+            end = width
+            if self.bytes_for(rows, end) > self.max_bytes:
+                raise KVLimitExceeded(f"the batch needs {self.bytes_for(rows, end)} bytes of KV cache; "
+                                      f"{self.max_bytes} are left under the limit")
+            new_r = rows
+            new_c = max(end, min(new_c, self.max_bytes // self.bytes_for(rows, 1)))
+        self._reallocate(new_r, new_c)
+
+    def _reallocate(self, rows: int, columns: int) -> None:
+        """New storage of rows x columns holding the live rows' columns [0, pos)."""
+        B, P = self.rows, self.pos
+        k = torch.zeros(self.n_layer, rows, self.n_head, columns, self.head_size, dtype=self.dtype, device=self.device)
+        v = torch.zeros_like(k)
+        mask = torch.zeros(rows, columns, dtype=torch.long, device=self.device)
+        if B:
+            k[:, :B, :, :P] = self.k[:, :B, :, :P]
+            v[:, :B, :, :P] = self.v[:, :B, :, :P]
+            mask[:B, :P] = self.mask[:B, :P]
+        self.k, self.v, self.mask = k, v, mask
+
+    def _compact(self) -> None:
+        """Drop the leading columns no live row uses: the rows then start at column 0."""
+        B, P = self.rows, self.pos
+        keep = self._span()
+        free = P - keep
+        if free == 0:
             return
-        if free == 0:  # cannot happen while every row fits in max_capacity - 1 columns
-            raise ContextLengthError("no room left in the batch's KV cache")
-        keep = P - free
         self.k[:, :B, :, :keep] = self.k[:, :B, :, free:P].clone()
         self.v[:, :B, :, :keep] = self.v[:, :B, :, free:P].clone()
         self.mask[:B, :keep] = self.mask[:B, free:P].clone()
@@ -183,29 +262,9 @@ class BatchKV:
         self.pos = keep
         self.compactions += 1
 
-    def _grow(self, columns: int) -> None:
-        """Storage with at least `columns` columns (doubling, up to max_capacity); contents kept."""
-        C = self.capacity
-        if columns <= C:
-            return
-        new_c = max(self.initial_capacity, C)
-        while new_c < columns:
-            new_c *= 2
-        new_c = min(new_c, self.max_capacity)
-        n_layer, max_batch, n_head, head_size = self.shape
-        k = torch.zeros(n_layer, max_batch, n_head, new_c, head_size, dtype=self.dtype, device=self.device)
-        v = torch.zeros_like(k)
-        mask = torch.zeros(max_batch, new_c, dtype=torch.long, device=self.device)
-        if C:
-            k[..., :C, :] = self.k
-            v[..., :C, :] = self.v
-            mask[:, :C] = self.mask
-        self.k, self.v, self.mask = k, v, mask
-
     def _shift(self, d: int) -> None:
-        """Move every live row d columns right (the new pos is pos + d)."""
+        """Move every live row d columns right (the new pos is pos + d; the storage has room)."""
         B, P = self.rows, self.pos
-        self._grow(P + d)
         if B and P:
             self.k[:, :B, :, d:P + d] = self.k[:, :B, :, :P].clone()
             self.v[:, :B, :, d:P + d] = self.v[:, :B, :, :P].clone()

@@ -1,53 +1,76 @@
 """An OpenAI-compatible HTTP server (FastAPI + uvicorn) over the continuous-batching scheduler.
 
-    gpt2 serve --model gpt2                                   # http://127.0.0.1:8000/v1
-    gpt2 serve --model ./my-model --port 8080 --api-key sk-local --max-batch 16 --max-queue 64
+    gpt2 serve --model gpt2                                   # http://127.0.0.1:8000/v1, playground at /
+    gpt2 serve --model ./my-model --port 8080 --api-key sk-local --max-batch 16 --max-kv-mb 512
 
     from openai import OpenAI
     client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="sk-local")
     client.completions.create(model="gpt2", prompt="Hello, my dog", max_tokens=32, temperature=0)
+    client.chat.completions.create(model="gpt2", messages=[{"role": "user", "content": "Hi"}])
+
+    lm_eval --model local-completions --model_args model=gpt2,base_url=http://127.0.0.1:8000/v1/completions,...
 
 Endpoints: POST /v1/completions (prompt: a string, a list of strings, token ids or a list of token-id
 lists; max_tokens, temperature, top_p, n, stop, stream (server-sent events ending with `data: [DONE]`),
-seed, logprobs, echo, presence_penalty, frequency_penalty, logit_bias, user), GET /v1/models, GET /health.
+seed, logprobs, echo, presence_penalty, frequency_penalty, logit_bias, user), POST /v1/chat/completions
+(messages through the chat template, chat.py), GET /v1/models, GET /health, GET /metrics (Prometheus,
+metrics.py), GET /openapi.json (the request and response models of openai_api.py), GET / (the
+playground, playground.html).
 
-This file is the text edge: it turns JSON and text into token ids and back, and nothing else. Generation
-is batching.py's Scheduler: every request's sequences join one shared decode loop, on the one thread
-that runs the model (the prompt's own logprobs for `echo` come from its prefill). Choice j of a prompt
-with `seed` s samples with seed s + j, so it is reproducible whatever else the server is doing.
+This file is the HTTP and text edge: it turns JSON and text into token ids and back, and nothing else.
+Generation is batching.py's Scheduler: every request's sequences join one shared decode loop, on the
+one thread that runs the model (the prompt's own logprobs for `echo` come from its prefill). Choice j of
+a prompt with `seed` s samples with seed s + j, so it is reproducible whatever else the server is doing.
 
 One request, in three parts: request_to_sequences (pure: the request as token-id Continuations),
 the event pump (_Pump: scheduler events -> each choice's text and logprobs), and plain functions that
-format OpenAI's shapes.
+format OpenAI's shapes. Legacy completions semantics are exact, as lm-eval relies on them: with echo
+and logprobs the prompt's tokens come first (the first one's logprob null), max_tokens=0 returns the
+prompt alone, and a generated <|endoftext|> gets its logprob entry (text "<|endoftext|>" in `tokens`,
+nothing added to `text`), so there is one entry for every generated token.
 
 Bad input never gets a 500 or a hung connection: broken JSON or UTF-8 and too-long prompts get 400,
-a body over the limit 413, wrong types, out-of-range values and unknown fields 422, all as OpenAI's
-`{"error": {"message", "type", "param", "code"}}`; a full queue gets 429 with Retry-After. Messages
-never carry paths or tracebacks. With --api-key every endpoint but /health wants `Authorization: Bearer`.
-On SIGTERM uvicorn stops accepting connections and lets in-flight requests finish (up to
-`shutdown_timeout` s); then the scheduler cancels whatever is left and its thread exits.
+a body over the limit 413, wrong types, out-of-range values and unknown fields 422, an unknown `model`
+404 model_not_found, all as OpenAI's `{"error": {"message", "type", "param", "code"}}`; a full queue or
+the KV memory limit gets 429 with Retry-After. Messages never carry paths or tracebacks. With --api-key
+every endpoint but /health and the playground page wants `Authorization: Bearer`.
+
+Connections: a request whose head has not arrived `request_timeout` s after its connection opened (or
+after its previous response) gets 408 and the connection is closed; a body slower than that gets a
+408 error. Over `max_connections` open connections, uvicorn answers 503. On SIGTERM (or Ctrl+C)
+uvicorn stops accepting connections and lets in-flight requests finish (up to `shutdown_timeout` s);
+then the scheduler cancels whatever is left, its thread exits and so does the process, with status 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
+import signal
 import sys
 import time
 import uuid
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
-from typing import Annotated
 
+import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from gpt2.batching import Continuation, QueueFull, Scheduler, SchedulerClosed
+from gpt2.batching import Continuation, KVLimitExceeded, QueueFull, Scheduler, SchedulerClosed
+from gpt2.chat import ChatTemplate, ChatTemplateError
 from gpt2.config import GPT2_EOT, require_gpt2_vocab
+from gpt2.metrics import ServerMetrics
+from gpt2.openai_api import (UNDECLARED_MODELS, APIError, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
+                             Completion, CompletionRequest, ErrorResponse, ModelList, parse_request)
 from gpt2.sampling import SamplingConfig
 from gpt2.tokenizer import TextStream
 
@@ -58,93 +81,28 @@ class ServerConfig:
     host: str = "127.0.0.1"            # loopback only, unless asked
     port: int = 8000
     api_key: str | None = None
+    aliases: tuple[str, ...] = ()      # more names `model` may give (the first served name is the directory's)
+    chat_template: str | None = None   # a Jinja file; None: chat.DEFAULT_CHAT_TEMPLATE
     max_batch: int = 16                # rows in the shared decode batch
     max_queue: int = 64                # sequences waiting for a row before requests get 429
+    prefill_chunk: int = 256           # prompt tokens prefilled between two decode steps
+    prefix_cache: bool = True          # reuse the keys and values of a repeated prompt prefix
+    max_kv_mb: float | None = None     # KV cache limit (None: only max_batch x the context bounds it)
     dtype: str = "float32"
     device: str | None = None
     max_body_bytes: int = 1 << 20
     max_choices: int = 64              # prompts x n in one request
+    request_timeout: float = 30.0      # seconds a request's head, then its body, may take to arrive
+    max_connections: int = 256         # open connections; more get 503
     shutdown_timeout: float = 30.0     # seconds in-flight requests get after SIGTERM
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code, self.headers = status, message, type, param, code, headers
-
-
 def error_response(e: APIError) -> JSONResponse:
-    body = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
-    return JSONResponse(body, status_code=e.status, headers=e.headers)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-# ---------------------------------------------------------------------------------------------
-# the request schema: strict types, no unknown fields
-# ---------------------------------------------------------------------------------------------
-
-TokenIds = list[Annotated[int, Field(ge=0)]]
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    include_usage: bool = False
-
-
-class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
-    model: str
-    prompt: str | list[str] | TokenIds | list[TokenIds] = "<|endoftext|>"
-    max_tokens: Annotated[int, Field(ge=0)] | None = 16
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = 1.0
-    n: Annotated[int, Field(ge=1, le=128)] | None = 1
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    seed: Annotated[int, Field(ge=-(1 << 63), lt=1 << 63)] | None = None
-    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
-    echo: bool | None = False
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = 0.0
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
-    user: Annotated[str, Field(max_length=256)] | None = None
-
-
-_UNION_FIELDS = {  # pydantic reports every union member's failure; one sentence says it better
-    "prompt": "prompt must be a string, a list of strings, a list of token ids (non-negative integers) "
-              "or a list of such lists",
-    "stop": "stop must be a string or a list of at most 4 strings",
-}
-
-
-def parse_request(body: bytes) -> CompletionRequest:
-    """The body as a CompletionRequest; APIError 400 (not UTF-8, not a JSON object) or 422 (the schema)."""
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError:
-        raise APIError(400, "the request body is not valid UTF-8", code="invalid_utf8") from None
-    try:
-        obj = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
-        raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
-    if not isinstance(obj, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-    try:
-        return CompletionRequest.model_validate(obj)
-    except ValidationError as e:
-        raise _validation_error(e) from None
-
-
-def _validation_error(e: ValidationError) -> APIError:
-    """422 naming the first offending field; never echoes the input itself."""
-    err = e.errors(include_url=False, include_input=False)[0]
-    loc = [str(p) for p in err["loc"]]
-    if loc and loc[0] in _UNION_FIELDS and len(loc) > 1:
-        return APIError(422, _UNION_FIELDS[loc[0]], param=loc[0], code="invalid_type")
-    param = ".".join(loc) or None
-    return APIError(422, f"{param}: {err['msg']}" if param else err["msg"], param=param, code=err["type"])
+PLAYGROUND = "playground.html"  # package data beside this file
+ENDPOINTS = ("/", "/health", "/metrics", "/openapi.json", "/v1/models", "/v1/completions", "/v1/chat/completions")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,7 +112,12 @@ def _validation_error(e: ValidationError) -> APIError:
 def create_app(model, tokenizer, cfg: ServerConfig, model_name: str | None = None) -> FastAPI:
     """The FastAPI app serving `model`; its lifespan starts and stops the scheduler (app.state.scheduler)."""
     model_name = model_name or Path(cfg.model).name or "gpt2"
-    scheduler = Scheduler(model, max_batch=cfg.max_batch, max_queue=cfg.max_queue)
+    names = list(dict.fromkeys([model_name, *cfg.aliases]))
+    scheduler = Scheduler(model, max_batch=cfg.max_batch, max_queue=cfg.max_queue, prefill_chunk=cfg.prefill_chunk,
+                          prefix_cache=cfg.prefix_cache, max_kv_mb=cfg.max_kv_mb)
+    metrics = ServerMetrics(scheduler)
+    template = ChatTemplate.from_file(cfg.chat_template) if cfg.chat_template else ChatTemplate.default()
+    playground = files("gpt2").joinpath(PLAYGROUND).read_text(encoding="utf-8")
     created = int(time.time())
 
     @asynccontextmanager
@@ -165,11 +128,14 @@ def create_app(model, tokenizer, cfg: ServerConfig, model_name: str | None = Non
         finally:
             await asyncio.to_thread(scheduler.stop, cfg.shutdown_timeout)
 
-    app = FastAPI(title="gpt2", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.scheduler = scheduler
+    app = FastAPI(title="gpt2", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
+    app.state.scheduler, app.state.metrics = scheduler, metrics
+    app.openapi = lambda: openapi_schema(app)
 
     if cfg.api_key is not None:
         app.add_middleware(_RequireKey, key=cfg.api_key)
+    app.add_middleware(_CountRequests, metrics=metrics)  # added last: outermost, so it counts the 401s too
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
@@ -184,44 +150,104 @@ def create_app(model, tokenizer, cfg: ServerConfig, model_name: str | None = Non
         # A bug: say so without a traceback, path or repr of the input.
         return error_response(APIError(500, "internal server error", type="server_error"))
 
+    def check_model(name: str) -> None:
+        if name not in names:  # OpenAI's answer, word for word
+            raise APIError(404, f"The model `{name[:100]}` does not exist or you do not have access to it.",
+                           code="model_not_found")
+
+    def start(req: CompletionRequest) -> _Pump:
+        """The request's sequences, submitted; the pump that follows them."""
+        seqs = request_to_sequences(req, tokenizer, model.config, cfg)
+        stop = stop_strings(req)
+        choices = [_Choice(i, s.prompt, tokenizer, stop, bool(req.echo), req.logprobs) for i, s in enumerate(seqs)]
+        pump = _Pump(scheduler, seqs, choices, sum(len(s.prompt) for s in seqs) // (req.n or 1), metrics)
+        pump.submit()
+        return pump
+
+    @app.get("/", include_in_schema=False)
+    async def index():
+        return HTMLResponse(playground)
+
     @app.get("/health")
     async def health():
         if scheduler.error is not None:
             return JSONResponse({"status": "error"}, status_code=503)
         return {"status": "ok", "busy": scheduler.busy}
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "gpt2"}]}
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text format"}})
+    async def prometheus():
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
 
-    @app.post("/v1/completions")
+    @app.get("/v1/models", response_model=ModelList)
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "gpt2"}
+                                           for name in names]}
+
+    @app.post("/v1/completions", **endpoint_schema(CompletionRequest, Completion))
     async def completions(request: Request):
-        req = parse_request(await _read_body(request, cfg.max_body_bytes))
-        seqs = request_to_sequences(req, tokenizer, model.config, cfg)
-        stop = stop_strings(req)
-        choices = [_Choice(i, s.prompt, tokenizer, stop, bool(req.echo), req.logprobs) for i, s in enumerate(seqs)]
-        pump = _Pump(scheduler, seqs, choices, prompt_tokens=sum(len(s.prompt) for s in seqs) // (req.n or 1))
-        pump.submit()
-        head = {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()),
-                "model": model_name}
+        req = parse_request(await _read_body(request, cfg), CompletionRequest)
+        check_model(req.model)
+        pump = start(req)
+        head = response_head("cmpl-", "text_completion", model_name)
         if req.stream:
-            include_usage = req.stream_options is not None and req.stream_options.include_usage
-            return StreamingResponse(completion_events(pump, head, bool(req.echo), include_usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await completion_response(pump, head, request)
+            return event_stream(completion_events(pump, head, bool(req.echo), _include_usage(req)))
+        return await finished(pump, request, lambda: completion_chunk(head, [c.as_dict() for c in pump.choices],
+                                                                      pump.usage()))
+
+    @app.post("/v1/chat/completions", **endpoint_schema(ChatCompletionRequest, ChatCompletion, ChatCompletionChunk))
+    async def chat_completions(request: Request):
+        req = parse_request(await _read_body(request, cfg), ChatCompletionRequest)
+        check_model(req.model)
+        try:
+            prompt = template.render([m.model_dump(exclude_none=True) for m in req.messages])
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), param="messages", code="invalid_chat_template") from None
+        ids = tokenizer.encode(prompt, allowed_special="all")
+        # Without a limit the answer may fill the context, as OpenAI's may.
+        pump = start(req.as_completion(ids, max_tokens=max(model.config.n_positions - len(ids), 1)))
+        head = response_head("chatcmpl-", "chat.completion", model_name)
+        if req.stream:
+            return event_stream(chat_events(pump, {**head, "object": "chat.completion.chunk"}, _include_usage(req)))
+        return await finished(pump, request, lambda: chat_completion(head, pump))
 
     return app
 
 
+def endpoint_schema(request_model, response_model, event_model=None) -> dict:
+    """Route arguments that document a body parsed by hand: the request model, the JSON response and
+    the server-sent events (each `data:` line one `event_model`), and the error shape."""
+    ref = lambda m: {"$ref": f"#/components/schemas/{m.__name__}"}
+    return {"openapi_extra": {"requestBody": {"required": True,
+                                              "content": {"application/json": {"schema": ref(request_model)}}}},
+            "responses": {200: {"model": response_model, "description": "the response; with `stream`, server-sent "
+                                "events, one JSON object per `data:` line, then `data: [DONE]`",
+                                "content": {"text/event-stream": {"schema": ref(event_model or response_model)}}},
+                          **{status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 413, 422, 429)}},
+            "response_class": JSONResponse}
+
+
+def openapi_schema(app: FastAPI) -> dict:
+    """FastAPI's schema of the routes, plus the models the routes parse by hand or stream."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        _, defs = models_json_schema(UNDECLARED_MODELS, ref_template="#/components/schemas/{model}")
+        schema["components"]["schemas"].update(defs["$defs"])
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 class _RequireKey:
-    """ASGI middleware: every path but /health wants `Authorization: Bearer <key>` (401 otherwise)."""
+    """ASGI middleware: every path but /health and the playground page wants `Authorization: Bearer
+    <key>` (401 otherwise). The page holds no secret: it asks its user for the key."""
 
     def __init__(self, app, key: str):
         self.app, self.key = app, key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] not in ("/health", "/"):
             auth = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, key = auth.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.key):
@@ -231,22 +257,51 @@ class _RequireKey:
         return await self.app(scope, receive, send)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, or 413 when it is over `limit` bytes. Up to 4x the limit is read and dropped first,
-    so a client that sends the whole body before reading gets the 413 rather than a reset."""
+class _CountRequests:
+    """ASGI middleware: gpt2_requests_total{endpoint, status} for every answered HTTP request."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"  # bounded label values
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+        return await self.app(scope, receive, counting_send)
+
+
+async def _read_body(request: Request, cfg: ServerConfig) -> bytes:
+    """The body, 413 when it is over the limit, 408 when it takes over `request_timeout` s to arrive."""
+    limit = cfg.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > 4 * limit):
         raise APIError(413, f"the request body is over {limit} bytes", code="request_too_large")
-    body, size = bytearray(), 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > 4 * limit:
-            break
-        if size <= limit:
-            body += chunk
+
+    async def read() -> tuple[bytes, int]:
+        # Up to 4x the limit is read and dropped, so a client that sends the whole body before
+        # reading gets the 413 rather than a reset.
+        body, size = bytearray(), 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > 4 * limit:
+                break
+            if size <= limit:
+                body += chunk
+        return bytes(body), size
+
+    try:
+        body, size = await asyncio.wait_for(read(), cfg.request_timeout)
+    except (asyncio.TimeoutError, TimeoutError):
+        raise APIError(408, f"the request body did not arrive within {cfg.request_timeout:g} s",
+                       code="request_timeout", headers={"Connection": "close"}) from None
     if size > limit:
         raise APIError(413, f"the request body is over {limit} bytes", code="request_too_large")
-    return bytes(body)
+    return body
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,8 +382,10 @@ def stop_strings(req: CompletionRequest) -> list[str]:
 class _Pump:
     """One request's sequences in the scheduler, and their events applied to its choices on the event loop."""
 
-    def __init__(self, scheduler: Scheduler, seqs: list[Continuation], choices: list["_Choice"], prompt_tokens: int):
+    def __init__(self, scheduler: Scheduler, seqs: list[Continuation], choices: list["_Choice"], prompt_tokens: int,
+                 metrics: ServerMetrics):
         self.scheduler, self.seqs, self.choices, self.prompt_tokens = scheduler, seqs, choices, prompt_tokens
+        self.metrics = metrics
         self.queue: asyncio.Queue = asyncio.Queue()
         self.disconnected = False
         self._polled = time.monotonic()
@@ -342,17 +399,22 @@ class _Pump:
         except QueueFull:
             raise APIError(429, "the server is busy; retry shortly", type="server_busy", code="queue_full",
                            headers={"Retry-After": "1"}) from None
+        except KVLimitExceeded as e:
+            raise APIError(429, f"the KV cache limit does not allow this request now: {e}", type="server_busy",
+                           code="kv_limit", headers={"Retry-After": "1"}) from None
         except SchedulerClosed:
             raise APIError(503, "the server is shutting down", type="server_busy", code="shutting_down",
                            headers={"Retry-After": "5"}) from None
+        self.submitted = time.monotonic()
+        self.metrics.prompt_tokens.inc(self.prompt_tokens)
 
     async def updates(self, request: Request | None = None):
-        """(choice, kind, text, first) per event, once applied to its choice, until every choice is done.
+        """(choice, kind, text) per event, once applied to its choice, until every choice is done.
 
         kind "prompt": text is the echoed prompt (its logprobs arrived); "token": text is what is now
-        safe to show (maybe ""); "done": text is the held-back tail. first: the choice's first logprob
-        entry this event added. request: watch it for a disconnect (non-streaming responses; a stream's
-        disconnect cancels the response itself). On leaving, unfinished sequences are cancelled.
+        safe to show (maybe ""); "done": text is the held-back tail. request: watch it for a disconnect
+        (non-streaming responses; a stream's disconnect cancels the response itself). On leaving,
+        unfinished sequences are cancelled.
         """
         try:
             pending = len(self.choices)
@@ -363,21 +425,33 @@ class _Pump:
                     return
                 index, event = item
                 choice = self.choices[index]
-                first = len(choice.lp_tokens)
-                if event[0] == "prompt":
+                kind = event[0]
+                if kind == "prompt":
                     text = choice.push_prompt(event[1])
-                elif event[0] == "token":
-                    text = choice.push(event[1], event[2])
+                elif kind in ("token", "stop_token"):
+                    self._observe(choice)
+                    text = choice.push(event[1], event[2]) if kind == "token" else choice.push_stop_token(event[2])
                     if choice.text.stopped:
                         self.scheduler.cancel(self.seqs[index], "stop")
+                    kind = "token"
                 else:
                     text = choice.finish(event[1])
                     pending -= 1
-                yield choice, event[0], text, first
+                yield choice, kind, text
         finally:
             for s in self.seqs:
                 if s.finish_reason is None:
                     self.scheduler.cancel(s)
+
+    def _observe(self, choice: "_Choice") -> None:
+        """A token of `choice` arrived: time to first token or since its previous one."""
+        now = time.monotonic()
+        if choice.last_token_at is None:
+            self.metrics.time_to_first_token.observe(now - self.submitted)
+        else:
+            self.metrics.inter_token_latency.observe(now - choice.last_token_at)
+        choice.last_token_at = now
+        self.metrics.generation_tokens.inc()
 
     async def _next_event(self, request: Request | None):
         """The next (choice index, event); None if the client went away (polled every half second)."""
@@ -395,14 +469,18 @@ class _Pump:
         return usage_dict(self.prompt_tokens, sum(c.tokens for c in self.choices))
 
 
-async def completion_response(pump: _Pump, head: dict, request: Request) -> JSONResponse:
-    """The whole completion as one JSON body (499 if the client left first)."""
+async def finished(pump: _Pump, request: Request, body) -> JSONResponse:
+    """Run the request to its end, then the JSON `body()` (499 if the client left first)."""
     async with aclosing(pump.updates(request)) as updates:
         async for _ in updates:
             pass
     if pump.disconnected:
         return JSONResponse({}, status_code=499)  # nobody reads this: the client is gone
-    return JSONResponse(completion_chunk(head, [c.as_dict() for c in pump.choices], pump.usage()))
+    return JSONResponse(body())
+
+
+def event_stream(events) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 async def completion_events(pump: _Pump, head: dict, echo: bool, include_usage: bool):
@@ -412,21 +490,43 @@ async def completion_events(pump: _Pump, head: dict, echo: bool, include_usage: 
             for c in pump.choices:
                 if not c.want_logprobs:
                     yield sse(completion_chunk(head, [choice_dict(c.index, c.prefix, None, None)]))
-        async for choice, kind, text, first in updates:
+        async for choice, kind, text in updates:
             if kind == "prompt":
                 yield sse(completion_chunk(head, [choice_dict(choice.index, text, choice.echo, None)]))
-            elif text or kind == "done":
+            elif text or kind == "done":  # a token's entry waits for the chunk that shows its text
                 reason = choice.finish_reason if kind == "done" else None
-                yield sse(completion_chunk(head, [choice_dict(choice.index, text, choice.logprobs_since(first),
-                                                              reason)]))
+                yield sse(completion_chunk(head, [choice_dict(choice.index, text, choice.take_logprobs(), reason)]))
     if include_usage:
         yield sse(completion_chunk(head, [], pump.usage()))
     yield "data: [DONE]\n\n"
 
 
+async def chat_events(pump: _Pump, head: dict, include_usage: bool):
+    """Chat server-sent events: per choice a first chunk with the role, then the content, then the reason."""
+    for c in pump.choices:
+        yield sse({**head, "choices": [chat_delta(c.index, {"role": "assistant", "content": ""}, None)]})
+    async with aclosing(pump.updates()) as updates:
+        async for choice, kind, text in updates:
+            if text:
+                yield sse({**head, "choices": [chat_delta(choice.index, {"content": text}, None)]})
+            if kind == "done":
+                yield sse({**head, "choices": [chat_delta(choice.index, {}, choice.finish_reason)]})
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": pump.usage()})
+    yield "data: [DONE]\n\n"
+
+
+def _include_usage(req) -> bool:
+    return req.stream_options is not None and req.stream_options.include_usage
+
+
 # ---------------------------------------------------------------------------------------------
-# OpenAI's response shapes: plain formatting
+# OpenAI's response shapes (openai_api.py's response models): plain formatting
 # ---------------------------------------------------------------------------------------------
+
+def response_head(prefix: str, object: str, model_name: str) -> dict:
+    return {"id": prefix + uuid.uuid4().hex, "object": object, "created": int(time.time()), "model": model_name}
+
 
 def completion_chunk(head: dict, choices: list[dict], usage: dict | None = None) -> dict:
     """A text_completion object (head: id, object, created, model) with these choices (and usage)."""
@@ -438,6 +538,16 @@ def completion_chunk(head: dict, choices: list[dict], usage: dict | None = None)
 
 def choice_dict(index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_completion(head: dict, pump: _Pump) -> dict:
+    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text.text}, "logprobs": None,
+                "finish_reason": c.finish_reason} for c in pump.choices]
+    return {**head, "choices": choices, "usage": pump.usage()}
+
+
+def chat_delta(index: int, delta: dict, finish_reason: str | None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -464,7 +574,9 @@ class _Choice:
         self.text = TextStream(tokenizer.stream_decoder(), stop)
         self.finish_reason = None
         self.tokens = 0
+        self.last_token_at = None  # time.monotonic() of the latest token (metrics)
         self.lp_tokens, self.lp_values, self.lp_top, self.lp_offsets = [], [], [], []
+        self.lp_sent = 0  # entries already streamed
 
     def push_prompt(self, entries) -> str:
         """The prompt's own logprob entries (tokens 1..T-1); the echoed text to show with them."""
@@ -483,11 +595,21 @@ class _Choice:
         if self.text.stopped:
             return ""
         if entry is not None:
-            self.lp_tokens.append(self.tok.decode([t]))
-            self.lp_values.append(entry[0])
-            self.lp_top.append(self._top(entry[1]))
-            self.lp_offsets.append(len(self.prefix) + len(self.text.text))
+            self._add_entry(t, entry)
         return self.text.push(t)
+
+    def push_stop_token(self, entry) -> str:
+        """The stop id the model drew (sent only with logprobs): its entry, and no text."""
+        self.tokens += 1
+        if not self.text.stopped:
+            self._add_entry(GPT2_EOT, entry)
+        return ""
+
+    def _add_entry(self, t: int, entry) -> None:
+        self.lp_tokens.append(self.tok.decode([t]))
+        self.lp_values.append(entry[0])
+        self.lp_top.append(self._top(entry[1]))
+        self.lp_offsets.append(len(self.prefix) + len(self.text.text))
 
     def finish(self, reason: str) -> str:
         """The scheduler's reason (a cancel after a stop string is a "stop"); the held-back tail."""
@@ -502,38 +624,99 @@ class _Choice:
         end = len(self.prefix) + len(self.text.text)
         return sum(1 for o in self.lp_offsets if o < end) if self.text.stopped else len(self.lp_offsets)
 
-    def logprobs_since(self, start: int) -> dict | None:
-        if not self.want_logprobs:
-            return None
-        end = self._kept()
+    def _logprobs(self, start: int, end: int) -> dict:
         return logprobs_dict(self.lp_tokens[start:end], self.lp_values[start:end], self.lp_top[start:end],
                              self.lp_offsets[start:end])
 
+    def take_logprobs(self) -> dict | None:
+        """The entries not streamed yet (None without logprobs)."""
+        if not self.want_logprobs:
+            return None
+        start, self.lp_sent = self.lp_sent, max(self.lp_sent, self._kept())
+        return self._logprobs(start, self.lp_sent)
+
     def as_dict(self) -> dict:
-        logprobs = self.logprobs_since(0)
+        logprobs = self._logprobs(0, self._kept()) if self.want_logprobs else None
         if logprobs is not None and self.echo is not None:
             logprobs = {key: self.echo[key] + logprobs[key] for key in logprobs}
         return choice_dict(self.index, self.prefix + self.text.text, logprobs, self.finish_reason)
+
 
 # ---------------------------------------------------------------------------------------------
 # entry point (gpt2 serve)
 # ---------------------------------------------------------------------------------------------
 
-def serve(cfg: ServerConfig) -> None:
-    """Load the model and tokenizer, then run uvicorn until SIGINT/SIGTERM."""
-    import uvicorn
+class SlowSenderTimeout(H11Protocol):
+    """uvicorn's h11 protocol, plus: when a request's head has not arrived `timeout` s after the
+    connection opened or its previous response ended, the client gets 408 and the connection closes
+    (uvicorn alone waits forever for a head sent a byte at a time). Made by uvicorn_config."""
 
+    def __init__(self, *args, timeout: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.timeout, self.timer = timeout, None
+
+    def connection_made(self, transport):
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self):
+        super().on_response_complete()
+        self._arm()
+
+    def connection_lost(self, exc):
+        if self.timer is not None:
+            self.timer.cancel()
+        super().connection_lost(exc)
+
+    def _arm(self):
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = self.loop.call_later(self.timeout, self._expired)
+
+    def _expired(self):
+        no_request = self.cycle is None or self.cycle.response_complete  # else the app has it (and its body)
+        if no_request and not self.transport.is_closing():
+            body = json.dumps(APIError(408, f"the request did not arrive within {self.timeout:g} s",
+                                       code="request_timeout").body()).encode()
+            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                                 b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            self.transport.close()
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn.Server whose SIGTERM/SIGINT drain and then return: uvicorn's own re-raises the signal
+    once shut down, and the process would end with -15 instead of 0. A second Ctrl+C forces the exit."""
+
+    def handle_exit(self, sig, frame):
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True
+
+
+def uvicorn_config(app, cfg: ServerConfig, log_level: str = "info"):
+    """How `gpt2 serve` runs the app (tests run the same)."""
+    return uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=log_level, access_log=False,
+                          http=functools.partial(SlowSenderTimeout, timeout=cfg.request_timeout),
+                          # uvicorn counts the connection asking, so N others open means N + 1
+                          limit_concurrency=cfg.max_connections + 1,
+                          timeout_graceful_shutdown=int(cfg.shutdown_timeout))
+
+
+def serve(cfg: ServerConfig) -> None:
+    """Load the model and tokenizer, then run uvicorn until SIGINT/SIGTERM (then drain and return)."""
     from gpt2.errors import ConfigError
     from gpt2.quantize import load_for_inference
     from gpt2.tokenizer import Tokenizer
     if cfg.max_batch < 1 or cfg.max_queue < 0:
         raise ConfigError("--max-batch must be at least 1 and --max-queue at least 0")
+    if cfg.request_timeout <= 0 or cfg.max_connections < 1:
+        raise ConfigError("--request-timeout must be positive and --max-connections at least 1")
+    if cfg.chat_template:
+        ChatTemplate.from_file(cfg.chat_template)  # a bad file fails now, before the model loads
     model = load_for_inference(cfg.model, dtype=cfg.dtype, device=cfg.device).eval()
     require_gpt2_vocab(model.config, cfg.model)
     tokenizer = Tokenizer.from_pretrained(cfg.model)
     if cfg.host not in ("127.0.0.1", "localhost", "::1") and cfg.api_key is None:
         print(f"gpt2 serve: warning: listening on {cfg.host} without --api-key: anyone who can reach this "
               "address can use the model", file=sys.stderr)
-    app = create_app(model, tokenizer, cfg)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="info", access_log=False,
-                timeout_graceful_shutdown=int(cfg.shutdown_timeout))
+    GracefulServer(uvicorn_config(create_app(model, tokenizer, cfg), cfg)).run()

@@ -1,0 +1,398 @@
+"""The continuous-batching scheduler: chunked prefill, the prefix cache, shared prefills, the KV limit.
+
+    .venv/bin/pytest tests/test_batching.py -q
+
+A tiny random GPT-2 at float32. Every sequence is checked against engine.generate (same prompt,
+sampling and seed) and greedy ones also against engine.generate_naive (no cache at all); logprob
+entries against log_softmax of one uncached forward. How the work was split is read from a
+CountingModel, which records the shape of every forward: counts, never seconds.
+"""
+
+import threading
+
+import pytest
+import torch
+
+from gpt2 import GPT, GPTConfig
+from gpt2.batching import Continuation, KVLimitExceeded, PrefixCache, Scheduler
+from gpt2.engine import generate, generate_naive
+from gpt2.kv_cache import BatchKV, KVCache
+from gpt2.sampling import SamplingConfig
+
+N_POSITIONS = 256
+EOT = 50256
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, n_positions=N_POSITIONS)).eval()
+
+
+class CountingModel:
+    """The model, with the (B, T) shape of every forward recorded in order."""
+
+    def __init__(self, model):
+        self.model, self.config, self.transformer = model, model.config, model.transformer
+        self.shapes: list[tuple[int, int]] = []
+
+    def eval(self):
+        return self
+
+    def __call__(self, idx, **kwargs):
+        self.shapes.append(tuple(idx.shape))
+        return self.model(idx, **kwargs)
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, EOT, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run(sched: Scheduler, seqs: list[Continuation], first: list[Continuation] | None = None) -> None:
+    """Submit the sequences (or only `first`: the others are submitted from their events), wait until
+    every one is done, stop the scheduler."""
+    done = threading.Event()
+    for s in seqs:
+        inner = s.emit
+
+        def emit(ev, inner=inner):
+            if inner is not None:
+                inner(ev)
+            if ev[0] == "done" and all(x.finish_reason for x in seqs):
+                done.set()
+        s.emit = emit
+    sched.start()
+    try:
+        sched.submit(first or seqs)
+        assert done.wait(120), "the scheduler did not finish"
+    finally:
+        sched.stop(5)
+    assert sched.error is None
+
+
+def collect(out: dict, name: str):
+    out[name] = []
+    return lambda ev: out[name].append(ev[1]) if ev[0] == "token" else None
+
+
+def reference(model, seq: Continuation) -> list[int]:
+    s = seq.sampling
+    return generate(model, [seq.prompt], max_new_tokens=seq.max_new_tokens, temperature=s.temperature,
+                    top_p=s.top_p, presence_penalty=s.presence_penalty, seed=seq.seed)[0]
+
+
+def naive_logprobs(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids]))[0].float(), -1)  # (T, V)
+
+
+def assert_entries_match_naive(model, prompt: list[int], new: list[int], entries: list) -> None:
+    """Each new token's logprob entry equals log_softmax of one uncached forward over prompt + new."""
+    logp = naive_logprobs(model, prompt + new)[len(prompt) - 1:-1]  # (len(new), V): row i predicts new[i]
+    assert len(entries) == len(new)
+    for row, t, (lp, _) in zip(logp, new, entries):
+        assert lp == pytest.approx(float(row[t]), abs=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# chunked prefill
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("chunk", [0, 7, 64])
+def test_chunked_prefill_draws_what_engine_generate_draws(model, chunk):
+    """Long and short prompts join running rows mid-flight; whatever the chunk size, each sequence gets
+    engine.generate's tokens (greedy ones also generate_naive's), and every token's logprob entry is
+    that of one uncached forward."""
+    specs = {  # name: (prompt length, max tokens, sampling, seed)
+        "short": (5, 40, SamplingConfig(), None),
+        "long": (150, 30, SamplingConfig(temperature=1.0), 3),
+        "mid": (61, 25, SamplingConfig(temperature=0.8, top_p=0.9, presence_penalty=0.5), 8),
+        "tiny": (1, 20, SamplingConfig(), None),
+    }
+    sched = Scheduler(model, max_batch=3, max_queue=8, initial_capacity=16, prefill_chunk=chunk, prefix_cache=False)
+    out, entries = {}, {}
+    seqs = {}
+
+    def on_event(name):
+        record = collect(out, name)
+
+        def emit(ev):
+            record(ev)
+            if ev[0] == "token":
+                entries.setdefault(name, []).append(ev[2])
+            if name == "short" and ev[0] == "token" and len(out["short"]) == 3:
+                sched.submit([seqs["long"], seqs["mid"], seqs["tiny"]])  # tiny waits for a free row
+        return emit
+
+    for i, (name, (n, max_tokens, sampling, seed)) in enumerate(specs.items()):
+        seqs[name] = Continuation(prompt=random_prompt(n, i), max_new_tokens=max_tokens, emit=on_event(name),
+                                  sampling=sampling, seed=seed, logprobs=5)
+    run(sched, list(seqs.values()), first=[seqs["short"]])
+    for name, seq in seqs.items():
+        assert out[name] == reference(model, seq), name
+        if seq.sampling.greedy:
+            assert out[name] == generate_naive(model, [seq.prompt], max_new_tokens=seq.max_new_tokens)[0], name
+        assert_entries_match_naive(model, seq.prompt, out[name], entries[name])
+        logp = naive_logprobs(model, seq.prompt)[-1]  # the first new token's distribution
+        _, top = entries[name][0]
+        values, ids = torch.topk(logp, 5)
+        assert [i for i, _ in top] == ids.tolist() and [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-5)
+
+
+def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(model):
+    """A 40-token prompt arriving while a row decodes runs as chunks of 8, each followed by a decode step
+    of the running row; with prefill_chunk=0 it runs whole."""
+    # the long prompt's last chunk is followed by the first step with both rows
+    for chunk, expected in [(8, [(1, 8), (1, 1)] * 4 + [(1, 8), (2, 1)]), (0, [(1, 40), (2, 1)])]:
+        counting = CountingModel(model)
+        sched = Scheduler(counting, max_batch=4, prefill_chunk=chunk, prefix_cache=False)
+        out, marks = {}, {}
+        long = Continuation(prompt=random_prompt(40, 1), max_new_tokens=5, emit=collect(out, "long"))
+
+        def emit(ev, record=collect(out, "short")):
+            record(ev)
+            if ev[0] == "token" and len(out["short"]) == 2:
+                marks["submitted"] = len(counting.shapes)
+                sched.submit([long])
+        short = Continuation(prompt=random_prompt(4, 2), max_new_tokens=30, emit=emit)
+        run(sched, [short, long], first=[short])
+        start = marks["submitted"]
+        assert counting.shapes[start:start + len(expected)] == expected
+        assert out["long"] == reference(model, long) and out["short"] == reference(model, short)
+
+
+# ---------------------------------------------------------------------------------------------
+# prefix cache
+# ---------------------------------------------------------------------------------------------
+
+def test_prefix_cache_reuses_a_prompt_prefix_and_stays_exact(model):
+    """The same prompt again runs only its last token; a prompt sharing its first 60 tokens runs the
+    rest; each still draws engine.generate's tokens, and echo (which needs every position) runs whole."""
+    base = random_prompt(100, 5)
+    branch = base[:60] + random_prompt(30, 6)
+    counting = CountingModel(model)
+    sched = Scheduler(counting, max_batch=2, prefill_chunk=32).start()
+    try:
+        # (prompt, seed, echo, prompt tokens it runs)
+        for prompt, seed, echo, runs in [(base, None, False, 100), (base, 7, False, 1), (branch, 9, False, 30),
+                                         (base, None, True, 100)]:
+            out, entries, token_entries = {}, [], []
+            record = collect(out, "x")
+            done = threading.Event()
+            seq = Continuation(prompt=prompt, max_new_tokens=20, seed=seed, logprobs=1, echo_logprobs=echo,
+                               sampling=SamplingConfig(temperature=0.0 if seed is None else 1.0),
+                               emit=lambda ev: (record(ev), ev[0] == "prompt" and entries.extend(ev[1]),
+                                                ev[0] == "token" and token_entries.append(ev[2]),
+                                                ev[0] == "done" and done.set()))
+            before = sched.prefill_tokens
+            sched.submit([seq])
+            assert done.wait(60)
+            assert sched.prefill_tokens - before == runs
+            assert out["x"] == reference(model, seq)
+            assert_entries_match_naive(model, prompt, out["x"], token_entries)
+            if echo:  # the prompt's own logprobs, position by position
+                logp = naive_logprobs(model, prompt)
+                ref = [float(logp[i - 1, prompt[i]]) for i in range(1, len(prompt))]
+                assert [lp for lp, _ in entries] == pytest.approx(ref, abs=1e-5)
+    finally:
+        sched.stop(5)
+    assert sched.error is None
+    assert sched.prefix.hits == 2 and sched.prefix.reused_tokens == 99 + 60
+
+
+def test_prefix_cache_is_an_lru_bounded_in_bytes():
+    per_position = 10
+    cache = PrefixCache(max_bytes=100, bytes_per_position=per_position)
+    kv = lambda n: KVCache(1, 1, 1, n, 1)
+    cache.add([1, 2, 3], kv(3))
+    cache.add([1, 2, 3, 4, 5], kv(5))         # extends [1, 2, 3]: that entry goes
+    assert list(cache.entries) == [(1, 2, 3, 4, 5)] and cache.nbytes == 50
+    cache.add([7, 8], kv(2))
+    cache.add([9, 9, 9], kv(3))
+    assert cache.nbytes == 100
+    source, n = cache.longest_prefix([1, 2, 3, 4, 6])   # [1..5] is now the most recently used
+    assert n == 4 and source is cache.entries[(1, 2, 3, 4, 5)]
+    assert cache.longest_prefix([1, 2]) [1] == 1        # at most len - 1: the last token always runs
+    assert cache.longest_prefix([5, 5]) == (None, 0)
+    cache.add([4, 4], kv(2))                            # over 100 bytes: the least recently used leaves
+    assert list(cache.entries) == [(9, 9, 9), (1, 2, 3, 4, 5), (4, 4)] and cache.nbytes == 100
+    cache.evict(30)
+    assert list(cache.entries) == [(4, 4)] and cache.nbytes == 20
+
+
+# ---------------------------------------------------------------------------------------------
+# n > 1
+# ---------------------------------------------------------------------------------------------
+
+def test_sequences_on_one_prompt_share_one_prefill(model):
+    """Three seeded choices of one 50-token prompt: one 50-token forward, then one one-token forward per
+    further choice (its own first logits), then batched decode steps; each choice draws generate's tokens."""
+    counting = CountingModel(model)
+    sched = Scheduler(counting, max_batch=4, prefill_chunk=256, prefix_cache=False)
+    prompt = random_prompt(50, 11)
+    out = {}
+    seqs = [Continuation(prompt=prompt, max_new_tokens=12, sampling=SamplingConfig(temperature=1.0), seed=100 + j,
+                         emit=collect(out, j), stop_token_ids=frozenset()) for j in range(3)]
+    run(sched, seqs)
+    assert counting.shapes[:4] == [(1, 50), (1, 1), (1, 1), (3, 1)]
+    assert sum(t for _, t in counting.shapes if t > 1) == 50 and sched.prefill_tokens == 52
+    for j, s in enumerate(seqs):
+        assert out[j] == reference(model, s)
+    assert len({tuple(v) for v in out.values()}) == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# KV memory
+# ---------------------------------------------------------------------------------------------
+
+def test_kv_limit_queues_what_does_not_fit_and_refuses_what_never_fits(model):
+    probe = BatchKV.for_model(model, 1)
+    per_position = probe.bytes_per_position
+    # room for one 100 + 100 sequence (its row and its prefill cache), not two at once
+    limit = per_position * (100 + 100 + 100 + 40)
+    sched = Scheduler(model, max_batch=4, prefill_chunk=32, max_kv_mb=limit / 2**20)
+    with pytest.raises(KVLimitExceeded):
+        sched.submit([Continuation(prompt=random_prompt(150, 1), max_new_tokens=100)])
+    out, peaks, order = {}, [], []
+    seqs = []
+    for j in range(3):
+        def emit(ev, j=j, record=collect(out, j)):
+            record(ev)
+            order.append(j)
+            peaks.append(sched.stats()["kv_bytes"])
+        seqs.append(Continuation(prompt=random_prompt(100, 20 + j), max_new_tokens=100, emit=emit,
+                                 stop_token_ids=frozenset()))
+    run(sched, seqs)
+    assert max(peaks) <= limit
+    # one at a time: every event of sequence j before any of j + 1
+    assert order == sorted(order)
+    for j, s in enumerate(seqs):
+        assert out[j] == reference(model, s)
+    stats = sched.stats()
+    assert stats["kv_limit_bytes"] == limit and stats["kv_bytes"] <= limit
+
+
+def test_kv_limit_evicts_the_prefix_cache_before_making_work_wait(model):
+    per_position = BatchKV.for_model(model, 1).bytes_per_position
+    sched = Scheduler(model, max_batch=4, max_kv_mb=per_position * 460 / 2**20).start()
+    try:
+        for n, seed in [(120, 1), (120, 2)]:
+            done = threading.Event()
+            sched.submit([Continuation(prompt=random_prompt(n, seed), max_new_tokens=10,
+                                       emit=lambda ev: ev[0] == "done" and done.set())])
+            assert done.wait(60)
+        assert sched.stats()["prefix_cache_bytes"] == 240 * per_position  # both prompts kept
+        out = {}
+        done = threading.Event()
+        big = Continuation(prompt=random_prompt(150, 3), max_new_tokens=30,
+                           emit=lambda ev, record=collect(out, "big"): (record(ev), ev[0] == "done" and done.set()))
+        sched.submit([big])  # 180 + 150 positions: the older entry must go, the newer can stay
+        assert done.wait(60) and out["big"] == reference(model, big)
+        assert list(sched.prefix.entries)[0] == tuple(random_prompt(120, 2))
+        assert sched.stats()["kv_bytes"] <= 460 * per_position
+    finally:
+        sched.stop(5)
+
+
+def test_batch_storage_is_freed_when_idle(model):
+    sched = Scheduler(model, max_batch=2, idle_shrink_s=0.05, prefix_cache=False)
+    run_done = threading.Event()
+    seq = Continuation(prompt=random_prompt(10, 1), max_new_tokens=5, emit=lambda ev: ev[0] == "done" and run_done.set())
+    sched.start()
+    try:
+        sched.submit([seq])
+        assert run_done.wait(60)
+        assert sched.kv.capacity > 0
+        for _ in range(200):  # bounded: the loop frees the storage idle_shrink_s after the last step
+            if sched.stats()["kv_bytes"] == 0:
+                break
+            threading.Event().wait(0.05)
+        assert sched.stats()["kv_bytes"] == 0 and sched.kv.k is None
+        again = threading.Event()
+        out = {}
+        seq2 = Continuation(prompt=seq.prompt, max_new_tokens=5,
+                            emit=lambda ev, record=collect(out, 2): (record(ev), ev[0] == "done" and again.set()))
+        sched.submit([seq2])
+        assert again.wait(60) and out[2] == reference(model, seq2)  # allocates again
+    finally:
+        sched.stop(5)
+
+
+def test_batch_kv_within_a_byte_budget_matches_per_row_caches(model):
+    """Rows of very different lengths under a budget too small for doubling: the storage compacts and
+    takes only what fits, never more than max_bytes, and every step's logits equal a per-row cache's."""
+    config = model.config
+    kv = BatchKV(config.n_layer, 3, config.n_head, config.head_size, max_capacity=N_POSITIONS, initial_capacity=8)
+    kv.max_bytes = kv.bytes_for(3, 100)  # the longest row reaches 50 + 45 columns
+    g = torch.Generator().manual_seed(4)
+    refs = []
+    with torch.inference_mode():
+        for n, steps in [(50, 5), (3, 10), (20, 30)]:
+            ids = torch.randint(0, EOT, (1, n), generator=g)
+            alone, prefilled = KVCache.for_model(model, 1, N_POSITIONS), KVCache.for_model(model, 1, n)
+            model(ids, cache=alone)
+            model(ids, cache=prefilled)
+            kv.insert(prefilled)
+            refs.append(alone)
+            for _ in range(steps):
+                ids = torch.randint(0, EOT, (kv.rows, 1), generator=g)
+                logits = model(ids, cache=kv, attention_mask=kv.decode_mask())[:, -1]
+                for i, ref in enumerate(refs):
+                    torch.testing.assert_close(logits[i], model(ids[i:i + 1], cache=ref)[0, -1], atol=1e-5, rtol=1e-5)
+                assert kv.nbytes <= kv.max_bytes
+    assert kv.row_capacity == 3 and kv.capacity == 100  # not doubled to 128: that would pass the budget
+    with torch.inference_mode():
+        kv.remove(0)
+        kv.shrink()  # the two rows left and their span (compacted), plus the next column
+        assert kv.compactions == 1 and kv.row_capacity == 2 and kv.pos == 50 and kv.capacity == 51
+        ids = torch.randint(0, EOT, (kv.rows, 1), generator=g)
+        logits = model(ids, cache=kv, attention_mask=kv.decode_mask())[:, -1]
+        for i, ref in enumerate([refs[2], refs[1]]):  # row 2 moved into slot 0
+            torch.testing.assert_close(logits[i], model(ids[i:i + 1], cache=ref)[0, -1], atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# events and gauges
+# ---------------------------------------------------------------------------------------------
+
+def test_a_stop_token_gets_a_logprob_entry_when_logprobs_are_asked(model):
+    prompt = random_prompt(9, 3)
+    bias = SamplingConfig(logit_bias={EOT: 100.0})  # the first new token is <|endoftext|>
+    events = {True: [], False: []}
+    seqs = [Continuation(prompt=prompt, max_new_tokens=3, sampling=bias, logprobs=2 if want else None,
+                         emit=events[want].append) for want in (True, False)]
+    run(Scheduler(model, max_batch=2), seqs)
+    logp = naive_logprobs(model, prompt)[-1]  # the model's distribution: raw logits, not the biased ones
+    kind, t, (lp, top) = events[True][0]
+    assert (kind, t) == ("stop_token", EOT) and events[True][1:] == [("done", "stop")]
+    assert lp == pytest.approx(float(logp[EOT]), abs=1e-5)
+    assert [i for i, _ in top] == torch.topk(logp, 2).indices.tolist()
+    assert events[False] == [("done", "stop")]
+
+
+def test_stats_report_queue_rows_and_kv_bytes(model):
+    sched = Scheduler(model, max_batch=1, max_queue=4, max_kv_mb=64).start()
+    try:
+        assert sched.stats() == {"queue_depth": 0, "running": 0, "kv_bytes": 0, "kv_limit_bytes": 64 << 20,
+                                 "prefix_cache_bytes": 0}
+        gate, seen = threading.Event(), threading.Event()
+
+        def hold(ev):  # the scheduler thread waits here, at the second token (its row has joined), until the test has looked
+            if ev[0] == "token" and seqs[0].generated == 2 and not seen.is_set():
+                seen.set()
+                assert gate.wait(30)
+        seqs = [Continuation(prompt=random_prompt(30, j), max_new_tokens=4, emit=hold if j == 0 else None)
+                for j in range(3)]
+        sched.submit(seqs)
+        assert seen.wait(30)
+        stats = sched.stats()
+        per_position = sched.kv.bytes_per_position
+        assert stats["queue_depth"] == 2 and stats["running"] == 1
+        assert stats["prefix_cache_bytes"] == 30 * per_position  # the prompt's cache, kept once its row joined
+        assert stats["kv_bytes"] == sched.kv.nbytes + 30 * per_position > 30 * per_position
+        gate.set()
+    finally:
+        sched.stop(None)
+    stats = sched.stats()
+    assert stats["running"] == 0 and stats["queue_depth"] == 0
+    assert stats["prefix_cache_bytes"] == 3 * 30 * per_position
