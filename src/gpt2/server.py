@@ -388,6 +388,7 @@ class _Pump:
         self.metrics = metrics
         self.queue: asyncio.Queue = asyncio.Queue()
         self.disconnected = False
+        self.submitted: float | None = None  # time.monotonic() at submit (time to first token)
         self._polled = time.monotonic()
         loop = asyncio.get_running_loop()
         for index, seq in enumerate(seqs):  # emit runs on the scheduler thread: hand over to the loop
