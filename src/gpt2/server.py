@@ -388,6 +388,7 @@ class _Pump:
         self.metrics = metrics
         self.queue: asyncio.Queue = asyncio.Queue()
         self.disconnected = False
+        self.submitted: float | None = None  # time.monotonic() at submit (time to first token)
         self._polled = time.monotonic()
         loop = asyncio.get_running_loop()
         for index, seq in enumerate(seqs):  # emit runs on the scheduler thread: hand over to the loop
@@ -711,6 +712,8 @@ def serve(cfg: ServerConfig) -> None:
         raise ConfigError("--max-batch must be at least 1 and --max-queue at least 0")
     if cfg.request_timeout <= 0 or cfg.max_connections < 1:
         raise ConfigError("--request-timeout must be positive and --max-connections at least 1")
+    if cfg.prefill_chunk < 0 or (cfg.max_kv_mb is not None and cfg.max_kv_mb <= 0):
+        raise ConfigError("--prefill-chunk must be at least 0 and --max-kv-mb positive")
     if cfg.chat_template:
         ChatTemplate.from_file(cfg.chat_template)  # a bad file fails now, before the model loads
     model = load_for_inference(cfg.model, dtype=cfg.dtype, device=cfg.device).eval()
