@@ -95,7 +95,7 @@ def crc32c(data, lane_bytes: int = 4096) -> int:
     The CRC register is linear over GF(2): the register after lanes A then B is shift(reg_A, len(B)) ^
     reg_B(started at 0). So the data is cut into K lanes of `lane_bytes`, every lane is fed one byte
     column at a time (vectorized over the K lanes), and the lanes are folded left to right with the
-    "feed lane_bytes zeros" map. Same value as the byte-by-byte loop, ~100x faster in pure Python.
+    "feed lane_bytes zeros" map. Same value as the byte-by-byte loop, ~6x faster (100 vs 16 MB/s here).
     """
     view = memoryview(data).cast("B")
     lanes = len(view) // lane_bytes
