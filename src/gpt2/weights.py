@@ -511,26 +511,23 @@ def convert(src, dst, to: str | None = None, dtype=None, output_tensor: bool = T
     By default the source's dtype (float32 where the target cannot hold it). output_tensor: GGUF only.
     """
     from gpt2.formats import gguf, llmc
-    resolved = resolve_config(src)
-    if resolved.directory is None:
-        raise CheckpointError(f"{src}: a preset name has no weights to convert; name a directory, file or hub model")
-    to = "ours" if to == "gpt2" else (to or default_target(resolved.layout, dst))
+    fmt = detect_format(src)
+    source = Path(src).expanduser() if fmt is not None else resolve_directory(src)  # a hub name downloads here
+    layout = fmt.NAME if fmt is not None else read_config(source)[1]
+    to = "ours" if to == "gpt2" else (to or default_target(layout, dst))
     if to not in CONVERT_TARGETS:
         raise ConfigError(f"convert target {to!r} is not one of {', '.join(CONVERT_TARGETS)}")
     if to in ("hf", "ours"):
-        model = load_model(resolved.directory, dtype=parse_dtype(dtype))
+        model = load_model(source, dtype=parse_dtype(dtype))
         return save_hf(model, dst) if to == "hf" else save_native(model, dst)
-    model = load_model(resolved.directory)
-    dtype = dtype or str(model.transformer.wte.weight.dtype).removeprefix("torch.")
+    model = load_model(source)
+    source_dtype = str(model.transformer.wte.weight.dtype).removeprefix("torch.")
     tensors = _unpadded_state(model, "gpt2")
     if to == "gguf":
         name = Path(str(src).rstrip("/")).name
-        return str(gguf.write(dst, model.config, tensors, dtype, output_tensor=output_tensor, name=name))
-    if dtype not in ("float32", "bfloat16") and dtype in DTYPES:
-        dtype = "float32"  # a float16 source: llm.c has no float16 version
-    if dtype not in DTYPES:
-        raise ConfigError(f"llm.c checkpoints are float32 (version 3) or bfloat16 (version 5), not {dtype!r}")
-    return str(llmc.write(dst, model.config, tensors, DTYPES[dtype]))
+        return str(gguf.write(dst, model.config, tensors, dtype or source_dtype, output_tensor=output_tensor, name=name))
+    default = source_dtype if source_dtype in llmc.VERSION_OF_DTYPE else "float32"  # llm.c has no float16
+    return str(llmc.write(dst, model.config, tensors, dtype or default))
 
 
 # ---------------------------------------------------------------------------------------------

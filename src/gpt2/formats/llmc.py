@@ -35,7 +35,7 @@ TOKENIZER_VERSION = 2        # version 2 stores the eot id
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 VERSIONS = {3: torch.float32, 5: torch.bfloat16}   # llm.c's checkpoint versions with a padded vocabulary
-VERSION_OF_DTYPE = {dtype: version for version, dtype in VERSIONS.items()}
+VERSION_OF_DTYPE = {str(dtype).removeprefix("torch."): version for version, dtype in VERSIONS.items()}
 VOCAB_MULTIPLE = 128
 TOKENIZER_FILENAME = "gpt2_tokenizer.bin"
 
@@ -126,23 +126,23 @@ def read(path) -> ForeignCheckpoint:
     return checkpoint
 
 
-def write(path, config: GPTConfig, tensors: dict[str, torch.Tensor], dtype=torch.float32) -> Path:
-    """Version 3 (float32) or 5 (bfloat16) at `path`, and gpt2_tokenizer.bin in the same directory."""
+def write(path, config: GPTConfig, tensors: dict[str, torch.Tensor], dtype: str = "float32") -> Path:
+    """Version 3 (dtype "float32") or 5 ("bfloat16") at `path`, and gpt2_tokenizer.bin in the same directory."""
     require_plain_gpt2(config, "llm.c", fixed_mlp_width=True)
     if dtype not in VERSION_OF_DTYPE:
-        raise ConfigError(f"llm.c checkpoints are float32 (version 3) or bfloat16 (version 5), not "
-                          f"{str(dtype).removeprefix('torch.')}")
+        raise ConfigError(f"llm.c checkpoints are float32 (version 3) or bfloat16 (version 5), not {dtype!r}")
+    version = VERSION_OF_DTYPE[dtype]
     path = Path(path)
     padded = padded_vocab_size(config.vocab_size)
     header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:8] = [MODEL_MAGIC, VERSION_OF_DTYPE[dtype], config.n_positions, config.vocab_size, config.n_layer,
+    header[:8] = [MODEL_MAGIC, version, config.n_positions, config.vocab_size, config.n_layer,
                   config.n_head, config.n_embd, padded]
 
     def write_to(tmp):
         with open(tmp, "wb") as f:
             f.write(header.tobytes())
             for name, shape in tensor_order(config):
-                tensor = tensors[name].detach().to("cpu", dtype)
+                tensor = tensors[name].detach().to("cpu", VERSIONS[version])
                 if name == "transformer.wte.weight":
                     tensor = torch.cat([tensor, tensor.new_zeros(padded - config.vocab_size, config.n_embd)])
                 if tuple(tensor.shape) != shape:
