@@ -2,7 +2,7 @@
 
     gpt2 --help
     gpt2 info gpt2-xl                                   # config, parameters, bytes
-    gpt2 convert SRC DST [--dtype bfloat16]             # our checkpoints <-> Hugging Face directories
+    gpt2 convert SRC DST [--to hf|ours|gguf|llmc]       # any format we read -> HF, ours, GGUF or llm.c
     gpt2 tokenize "Hello world"                         # ids and tokens
     gpt2 prepare shakespeare --out data/shakespeare     # text -> llm.c token shards
     gpt2 train --preset quickstart --data data/shakespeare --out runs/quickstart
@@ -79,18 +79,26 @@ def _kernel_plans(config: dict, precisions: list[str]) -> dict:
 
 
 def add_convert_parser(sub):
-    p = sub.add_parser("convert", help="convert between our checkpoints and Hugging Face directories")
-    p.add_argument("src", help="our checkpoint, a Hugging Face directory or a hub name")
-    p.add_argument("dst", help="output directory")
-    p.add_argument("--to", choices=["hf", "gpt2"], default=None,
-                   help="output layout: hf (Hugging Face) or gpt2 (ours); default: the other one of SRC's")
-    p.add_argument("--dtype", choices=list(DTYPES), default=None)
+    from gpt2.formats.gguf import WEIGHT_TYPES
+    from gpt2.weights import CONVERT_TARGETS
+    p = sub.add_parser("convert", help="convert between Hugging Face, our checkpoints, GGUF, llm.c and OpenAI TF")
+    p.add_argument("src", help="a Hugging Face directory or hub name, our checkpoint or run, a .gguf file, an llm.c "
+                               ".bin, or OpenAI's TensorFlow checkpoint directory (hparams.json + model.ckpt.*)")
+    p.add_argument("dst", help="output: a directory (hf, ours), a .gguf file or an llm.c .bin")
+    p.add_argument("--to", choices=[*CONVERT_TARGETS, "gpt2"], default=None,
+                   help="hf (Hugging Face), ours (gpt2 is the old name), gguf or llmc; default: .gguf -> gguf, "
+                        ".bin -> llmc, a directory -> ours from Hugging Face, else hf")
+    p.add_argument("--dtype", choices=list(dict.fromkeys([*DTYPES, *WEIGHT_TYPES])), default=None,
+                   help="weights dtype (q8_0: GGUF only; llm.c: float32 or bfloat16); default: the source's")
+    p.add_argument("--no-output-tensor", dest="output_tensor", action="store_false",
+                   help="GGUF: leave out output.weight, the copy of token_embd that llama.cpp builds from "
+                        "before March 2025 require")
     p.set_defaults(func=cmd_convert)
 
 
 def cmd_convert(args):
     from gpt2.weights import convert
-    out = convert(args.src, args.dst, to=args.to, dtype=args.dtype)
+    out = convert(args.src, args.dst, to=args.to, dtype=args.dtype, output_tensor=args.output_tensor)
     print(f"wrote {out}")
 
 

@@ -1,10 +1,17 @@
-"""Weights in and out: Hugging Face directories, the hub, and our own checkpoints.
+"""Weights in and out: Hugging Face directories, the hub, our own checkpoints, and (through formats/) GGUF,
+llm.c and OpenAI's TensorFlow release.
 
     from gpt2 import GPT
     model = GPT.from_pretrained("gpt2")                       # hub name -> openai-community/gpt2
     model = GPT.from_pretrained("path/to/hf_dir", dtype=torch.bfloat16)
+    model = GPT.from_pretrained("gpt2.gguf")                  # or an llm.c .bin, or OpenAI's models/124M
     model.save_pretrained("out_dir")                          # transformers.GPT2LMHeadModel loads it
     gpt2 convert runs/quickstart hf_dir                       # ours <-> Hugging Face, on the CLI
+    gpt2 convert gpt2 gpt2.gguf --dtype q8_0                  # --to hf|ours|gguf|llmc, default from DST
+
+A path is first offered to the foreign formats (`formats.detect`: a .gguf file, an llm.c .bin, a
+directory with hparams.json and model.ckpt.index); their readers hand back our names and layout, and
+the same strict loader below fills the model from them.
 
 Our parameter names are GPT-2's own, so Hugging Face's checkpoints map by name. The one difference is
 orientation: Transformers' GPT-2 stores its four projection matrices as Conv1D, (in, out), while we use
@@ -41,6 +48,7 @@ import torch
 from gpt2.atomic import atomic_write_bytes, atomic_write_json
 from gpt2.config import GPT2_EOT, GPT2_VOCAB_SIZE, PRESETS, GPTConfig
 from gpt2.errors import CheckpointError, ConfigError, TokenizerError
+from gpt2.formats import detect as detect_format
 from gpt2.model import GPT
 
 # Conv1D weights in Transformers, nn.Linear here: the only difference between the two layouts.
@@ -169,18 +177,11 @@ class SafetensorsReader:
                 rows[start:start + n].copy_(chunk.view(dtype).view(n, *rows.shape[1:]))
 
 
-class TorchBinReader:
-    """pytorch_model.bin, loaded with weights_only=True (no arbitrary unpickling)."""
+class TensorDictReader:
+    """Tensors already in memory (a pytorch_model.bin, or a foreign format's reader) behind the reader interface."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, state: dict[str, torch.Tensor]):
         self.path = Path(path)
-        try:
-            state = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as e:  # torch raises many types for corrupt zips and forbidden pickles
-            raise CheckpointError(f"{self.path}: not a loadable weights-only PyTorch checkpoint "
-                                  f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
-        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise CheckpointError(f"{self.path}: expected a dict of tensors")
         self.state = state
         self.metadata = {}
 
@@ -195,6 +196,20 @@ class TorchBinReader:
 
     def read_into(self, name, out, buffer=None):
         out.copy_(self.state[name])
+
+
+class TorchBinReader(TensorDictReader):
+    """pytorch_model.bin, loaded with weights_only=True (no arbitrary unpickling)."""
+
+    def __init__(self, path: Path):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # torch raises many types for corrupt zips and forbidden pickles
+            raise CheckpointError(f"{path}: not a loadable weights-only PyTorch checkpoint "
+                                  f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise CheckpointError(f"{path}: expected a dict of tensors")
+        super().__init__(path, state)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,9 +330,9 @@ def read_config(directory: Path) -> tuple[GPTConfig, str]:
 class ResolvedConfig:
     """What a preset name or a model directory/hub name stands for, before any weights are read."""
     config: GPTConfig
-    source: str              # "preset gpt2", or the directory
-    directory: Path | None   # None for a preset: there are no weights
-    layout: str | None       # "gpt2" (ours) or "hf"; None for a preset
+    source: str              # "preset gpt2", or the directory / file
+    directory: Path | None   # where the weights are: a directory, or a foreign format's file; None for a preset
+    layout: str | None       # "gpt2" (ours), "hf", or a foreign format's NAME (gguf, llmc, openai_tf); None for a preset
 
 
 def preset_name(name_or_path) -> str | None:
@@ -334,6 +349,10 @@ def resolve_config(name_or_path) -> ResolvedConfig:
     preset = preset_name(name_or_path)
     if preset is not None:
         return ResolvedConfig(GPTConfig.preset(preset), f"preset {preset}", None, None)
+    fmt = detect_format(name_or_path)
+    if fmt is not None:
+        header = fmt.read_header(Path(name_or_path).expanduser())
+        return ResolvedConfig(header.config, str(header.path), header.path, fmt.NAME)
     directory = resolve_directory(name_or_path)
     config, layout = read_config(directory)
     return ResolvedConfig(config, str(directory), directory, layout)
@@ -343,13 +362,23 @@ def resolve_config(name_or_path) -> ResolvedConfig:
 # loading
 # ---------------------------------------------------------------------------------------------
 
-def load_model(name_or_path, device=None, dtype=None, vocab_multiple: int = 1) -> GPT:
-    """Build the model on the meta device, then fill it tensor by tensor, strictly."""
+def open_weights(name_or_path) -> tuple[Path, GPTConfig, str, list]:
+    """(where, config, layout, readers) of any model path or hub name; a foreign format is read here whole."""
+    fmt = detect_format(name_or_path)
+    if fmt is not None:
+        checkpoint = fmt.read(Path(name_or_path).expanduser())
+        return checkpoint.path, checkpoint.config, fmt.NAME, [TensorDictReader(checkpoint.path, checkpoint.tensors)]
     directory = resolve_directory(name_or_path)
     config, layout = read_config(directory)
+    return directory, config, layout, _open_readers(directory)
+
+
+def load_model(name_or_path, device=None, dtype=None, vocab_multiple: int = 1) -> GPT:
+    """Build the model on the meta device, then fill it tensor by tensor, strictly."""
+    where, config, layout, readers = open_weights(name_or_path)
     with torch.device("meta"):
         model = GPT(config, vocab_multiple=vocab_multiple)
-    state = _read_state(directory, model, layout, parse_dtype(dtype), device)
+    state = _read_state(where, readers, model, layout, parse_dtype(dtype), device)
     for name, tensor in state.items():
         module_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(tensor))
@@ -357,13 +386,13 @@ def load_model(name_or_path, device=None, dtype=None, vocab_multiple: int = 1) -
     return model.eval()
 
 
-def _read_state(directory: Path, model: GPT, layout: str, dtype, device) -> dict[str, torch.Tensor]:
-    """Every parameter of the (meta) model, read from the directory's files; CheckpointError listing what is off."""
+def _read_state(where: Path, readers: list, model: GPT, layout: str, dtype, device) -> dict[str, torch.Tensor]:
+    """Every parameter of the (meta) model, read from `readers`; CheckpointError listing what is off."""
     config = model.config
     expected = {name: p for name, p in model.named_parameters()}  # the tied lm_head is listed once, as wte
     state, problems = {}, []
     buffer = torch.empty(4 * 2**20, dtype=torch.uint8)  # the one staging buffer for every tensor
-    for reader in _open_readers(directory):
+    for reader in readers:
         for key in reader.keys():
             name = canonical_key(key)
             if name.endswith(SKIPPED) or name == TIED:
@@ -391,7 +420,7 @@ def _read_state(directory: Path, model: GPT, layout: str, dtype, device) -> dict
     problems += [f"missing key {name!r}" for name in expected if name not in state and not any(
         p.startswith(f"{name!r} ") for p in problems)]
     if problems:
-        raise CheckpointError(f"{directory}: weights do not match the config "
+        raise CheckpointError(f"{where}: weights do not match the config "
                               f"({config.n_layer} layers, width {config.n_embd}): " + "; ".join(problems[:10])
                               + (f"; and {len(problems) - 10} more" if len(problems) > 10 else ""))
     return state
@@ -462,13 +491,43 @@ def _save_tokenizer(directory: Path, config: GPTConfig, tokenizer) -> None:
         tokenizer.save_pretrained(directory)
 
 
-def convert(src, dst, to: str | None = None, dtype=None) -> str:
-    """Between our checkpoints and Hugging Face directories; `to` defaults to the other layout."""
-    directory = resolve_directory(src)
-    _, layout = read_config(directory)
-    to = to or ("hf" if layout == "gpt2" else "gpt2")
-    model = load_model(directory, dtype=parse_dtype(dtype))
-    return save_hf(model, dst) if to == "hf" else save_native(model, dst)
+# `gpt2 convert --to`: what each target is written by. "gpt2" is the old name of "ours".
+CONVERT_TARGETS = ("hf", "ours", "gguf", "llmc")
+
+
+def default_target(src_layout: str, dst) -> str:
+    """DST's suffix decides (.gguf: gguf, .bin: llmc); a directory gets the other directory layout than
+    SRC's: ours for a Hugging Face source, Hugging Face for everything else."""
+    suffix = Path(dst).suffix
+    if suffix in (".gguf", ".bin"):
+        return {".gguf": "gguf", ".bin": "llmc"}[suffix]
+    return "ours" if src_layout == "hf" else "hf"
+
+
+def convert(src, dst, to: str | None = None, dtype=None, output_tensor: bool = True) -> str:
+    """Any model we read (Hugging Face, ours, GGUF, llm.c, OpenAI TF) -> `to` (default_target).
+
+    dtype: a DTYPES name for hf/ours; float32|float16|bfloat16|q8_0 for gguf; float32|bfloat16 for llmc.
+    By default the source's dtype (float32 where the target cannot hold it). output_tensor: GGUF only.
+    """
+    from gpt2.formats import gguf, llmc
+    fmt = detect_format(src)
+    source = Path(src).expanduser() if fmt is not None else resolve_directory(src)  # a hub name downloads here
+    layout = fmt.NAME if fmt is not None else read_config(source)[1]
+    to = "ours" if to == "gpt2" else (to or default_target(layout, dst))
+    if to not in CONVERT_TARGETS:
+        raise ConfigError(f"convert target {to!r} is not one of {', '.join(CONVERT_TARGETS)}")
+    if to in ("hf", "ours"):
+        model = load_model(source, dtype=parse_dtype(dtype))
+        return save_hf(model, dst) if to == "hf" else save_native(model, dst)
+    model = load_model(source)
+    source_dtype = str(model.transformer.wte.weight.dtype).removeprefix("torch.")
+    tensors = _unpadded_state(model, "gpt2")
+    if to == "gguf":
+        name = Path(str(src).rstrip("/")).name
+        return str(gguf.write(dst, model.config, tensors, dtype or source_dtype, output_tensor=output_tensor, name=name))
+    default = source_dtype if source_dtype in llmc.VERSION_OF_DTYPE else "float32"  # llm.c has no float16
+    return str(llmc.write(dst, model.config, tensors, dtype or default))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -480,6 +539,8 @@ def describe_model(name_or_path: str) -> dict:
     resolved = resolve_config(name_or_path)
     if resolved.directory is None:
         weights, dtype = "none (a preset: random init)", torch.float32
+    elif resolved.layout not in ("gpt2", "hf"):
+        return _describe_foreign(resolved)
     else:
         readers = _open_readers(resolved.directory)
         dtypes = {reader.dtype(k) for reader in readers for k in reader.keys() if not canonical_key(k).endswith(SKIPPED)}
@@ -494,5 +555,22 @@ def describe_model(name_or_path: str) -> dict:
         "parameters": parameters,
         "dtype": str(dtype).removeprefix("torch."),
         "bytes": parameters * torch.empty(0, dtype=dtype).element_size(),
+        "config": resolved.config.to_dict(),
+    }
+
+
+def _describe_foreign(resolved: ResolvedConfig) -> dict:
+    """describe_model for a GGUF, llm.c or OpenAI TF checkpoint: its header; bytes are the files' sizes."""
+    fmt = detect_format(resolved.directory)
+    header = fmt.read_header(resolved.directory)
+    files = sorted(resolved.directory.iterdir()) if resolved.directory.is_dir() else [resolved.directory]
+    with torch.device("meta"):
+        parameters = GPT(resolved.config).num_parameters()
+    return {
+        "source": resolved.source,
+        "weights": f"{resolved.directory.name} ({fmt.NAME})",
+        "parameters": parameters,
+        "dtype": header.metadata["dtype"],
+        "bytes": sum(f.stat().st_size for f in files if f.is_file()),
         "config": resolved.config.to_dict(),
     }
