@@ -209,6 +209,21 @@ def test_llmc_to_hf_through_the_cli(small, tmp_path):
         assert max_diff(hf(idx).logits, logits(model, idx)) <= 1e-5
 
 
+def test_generate_takes_a_gguf_or_llmc_file_as_its_model(tmp_path, capsys):
+    """--model FILE: the tokenizer comes with it (GPT-2's), and the greedy text is the source directory's."""
+    torch.manual_seed(0)
+    GPT(GPTConfig(vocab_size=50257, n_positions=64, n_embd=16, n_layer=1, n_head=2)).save_pretrained(tmp_path / "hf")
+    for name in ("m.gguf", "m.bin"):
+        assert cli(["convert", str(tmp_path / "hf"), str(tmp_path / name)]) == 0
+    capsys.readouterr()
+    texts = []
+    for model in (tmp_path / "hf", tmp_path / "m.gguf", tmp_path / "m.bin"):
+        assert cli(["generate", "--model", str(model), "Once upon a time", "--max-new-tokens", "12",
+                    "--temperature", "0"]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0].strip() and texts[1] == texts[0] and texts[2] == texts[0]
+
+
 # ---------------------------------------------------------------------------------------------
 # OpenAI's TensorFlow release
 # ---------------------------------------------------------------------------------------------

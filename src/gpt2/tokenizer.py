@@ -393,7 +393,8 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, allow_custom: bool = False) -> "Tokenizer":
-        """The tokenizer of a vocabulary or model directory, or of a hub name of GPT-2 ("gpt2", …).
+        """The tokenizer of a vocabulary or model directory, a .gguf or llm.c .bin model file, or of a hub
+        name of GPT-2 ("gpt2", …).
 
         A model directory without tokenizer files but with a config.json (our checkpoints, or a
         Hugging Face model saved without its tokenizer) uses GPT-2's vocabulary from the other
@@ -412,6 +413,10 @@ class Tokenizer:
             raise TokenizerError(f"{p}: no tokenizer files (encoder.json + vocab.bpe, vocab.json + merges.txt "
                                  "or tokenizer.json) and no config.json or gpt2.json. "
                                  "Fix: name a vocabulary or model directory.")
+        if p.is_file():
+            from gpt2.formats import detect
+            if detect(p) is not None:  # a .gguf or llm.c .bin: formats/ reads only GPT-2, whose vocabulary it is
+                return cls.gpt2()
         name = str(path)
         if name in HF_REPOS or name in ("gpt2-medium", "gpt2-large", "gpt2-xl") or (
                 name.startswith("openai-community/gpt2")):
