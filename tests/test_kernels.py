@@ -219,6 +219,20 @@ def test_a_path_outside_its_rounding_is_rejected(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("fmt", [f for f in CPU_FORMATS if f.available()], ids=lambda f: f"{f.precision}-{f.name}")
+def test_decode_timing_copies_own_their_storage(fmt, monkeypatch):
+    """Decode is timed over copies spanning the cache; copies that alias one buffer would be timed cache-hot.
+    (oneDNN's opaque tensors are new allocations by construction; the plain ones are checked here.)"""
+    monkeypatch.setattr(kernels, "last_level_cache_bytes", lambda: 4 * 1024 ** 2)
+    w, b = torch.randn(64, 256), torch.randn(64)
+    copies = kernels._copies(fmt, w, b, fmt.pack(w, b))
+    strided = [[t.data_ptr() for t in kernels._unwrap(c).values()
+                if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.numel() >= 64] for c in copies]
+    pointers = [p for ptrs in strided for p in ptrs]
+    assert len(copies) > 1 and len(set(pointers)) == len(pointers)
+    assert len(pointers) >= len(copies) or not strided[0]
+
+
 def test_info_kernels_prints_the_plan(capsys):
     from gpt2.cli import main
     assert main(["info", "gpt2", "--kernels", "--kernels-dtype", "int8"]) == 0
