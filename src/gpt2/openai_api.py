@@ -51,13 +51,11 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class CompletionRequest(BaseModel):
-    """POST /v1/completions."""
+class SamplingFields(BaseModel):
+    """The fields completions and chat completions share: which model, how to sample, how to stream."""
     model_config = STRICT
 
     model: str
-    prompt: str | list[str] | TokenIds | list[TokenIds] = "<|endoftext|>"
-    max_tokens: Annotated[int, Field(ge=0)] | None = 16
     temperature: Temperature | None = 1.0
     top_p: TopP | None = 1.0
     n: Choices | None = 1
@@ -65,12 +63,18 @@ class CompletionRequest(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     seed: Seed | None = None
-    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
-    echo: bool | None = False
     presence_penalty: Penalty | None = 0.0
     frequency_penalty: Penalty | None = 0.0
     logit_bias: LogitBias | None = None
     user: User | None = None
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+    prompt: str | list[str] | TokenIds | list[TokenIds] = "<|endoftext|>"
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    echo: bool | None = False
 
 
 class ChatMessage(BaseModel):
@@ -80,25 +84,11 @@ class ChatMessage(BaseModel):
     name: Annotated[str, Field(max_length=64)] | None = None
 
 
-class ChatCompletionRequest(BaseModel):
+class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions: the messages become one prompt through the chat template."""
-    model_config = STRICT
-
-    model: str
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # the newer name; wins if both are set
-    temperature: Temperature | None = 1.0
-    top_p: TopP | None = 1.0
-    n: Choices | None = 1
-    stop: Stop | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    seed: Seed | None = None
-    presence_penalty: Penalty | None = 0.0
-    frequency_penalty: Penalty | None = 0.0
-    logit_bias: LogitBias | None = None
-    user: User | None = None
 
     def as_completion(self, prompt: list[int], max_tokens: int) -> CompletionRequest:
         """The same request as a completion of `prompt` (the rendered messages' ids); `max_tokens` when unset."""
