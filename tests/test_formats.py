@@ -209,6 +209,14 @@ def test_llmc_to_hf_through_the_cli(small, tmp_path):
         assert max_diff(hf(idx).logits, logits(model, idx)) <= 1e-5
 
 
+def test_convert_to_defaults_from_the_destination(small, tmp_path):
+    """.gguf -> GGUF, .bin -> llm.c, anything else -> a Hugging Face directory (even from one)."""
+    _, directory, _ = small
+    assert cli(["convert", str(directory), str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "config.json").is_file() and not (tmp_path / "out" / "gpt2.json").exists()
+    assert detect(tmp_path / "out") is None  # a Hugging Face directory, no foreign format
+
+
 def test_generate_takes_a_gguf_or_llmc_file_as_its_model(tmp_path, capsys):
     """--model FILE: the tokenizer comes with it (GPT-2's), and the greedy text is the source directory's."""
     torch.manual_seed(0)

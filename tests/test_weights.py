@@ -57,7 +57,8 @@ def test_native_checkpoint_round_trip_and_convert_cli(tmp_path, hf_model_dir):
     idx = sample_ids()
     with torch.no_grad():
         expected = hf(idx).logits
-    run = subprocess.run([sys.executable, "-m", "gpt2", "convert", str(directory), str(tmp_path / "ours")],
+    run = subprocess.run([sys.executable, "-m", "gpt2", "convert", str(directory), str(tmp_path / "ours"),
+                          "--to", "ours"],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert (tmp_path / "ours" / "gpt2.json").exists()

@@ -87,7 +87,7 @@ def add_convert_parser(sub):
     p.add_argument("dst", help="output: a directory (hf, ours), a .gguf file or an llm.c .bin")
     p.add_argument("--to", choices=[*CONVERT_TARGETS, "gpt2"], default=None,
                    help="hf (Hugging Face), ours (gpt2 is the old name), gguf or llmc; default: .gguf -> gguf, "
-                        ".bin -> llmc, a directory -> ours from Hugging Face, else hf")
+                        ".bin -> llmc, anything else -> hf")
     p.add_argument("--dtype", choices=list(dict.fromkeys([*DTYPES, *WEIGHT_TYPES])), default=None,
                    help="weights dtype (q8_0: GGUF only; llm.c: float32 or bfloat16); default: the source's")
     p.add_argument("--no-output-tensor", dest="output_tensor", action="store_false",

@@ -495,13 +495,9 @@ def _save_tokenizer(directory: Path, config: GPTConfig, tokenizer) -> None:
 CONVERT_TARGETS = ("hf", "ours", "gguf", "llmc")
 
 
-def default_target(src_layout: str, dst) -> str:
-    """DST's suffix decides (.gguf: gguf, .bin: llmc); a directory gets the other directory layout than
-    SRC's: ours for a Hugging Face source, Hugging Face for everything else."""
-    suffix = Path(dst).suffix
-    if suffix in (".gguf", ".bin"):
-        return {".gguf": "gguf", ".bin": "llmc"}[suffix]
-    return "ours" if src_layout == "hf" else "hf"
+def default_target(dst) -> str:
+    """DST's suffix decides: .gguf gives gguf, .bin gives llmc, anything else a Hugging Face directory."""
+    return {".gguf": "gguf", ".bin": "llmc"}.get(Path(dst).suffix, "hf")
 
 
 def convert(src, dst, to: str | None = None, dtype=None, output_tensor: bool = True) -> str:
@@ -513,8 +509,7 @@ def convert(src, dst, to: str | None = None, dtype=None, output_tensor: bool = T
     from gpt2.formats import gguf, llmc
     fmt = detect_format(src)
     source = Path(src).expanduser() if fmt is not None else resolve_directory(src)  # a hub name downloads here
-    layout = fmt.NAME if fmt is not None else read_config(source)[1]
-    to = "ours" if to == "gpt2" else (to or default_target(layout, dst))
+    to = "ours" if to == "gpt2" else (to or default_target(dst))
     if to not in CONVERT_TARGETS:
         raise ConfigError(f"convert target {to!r} is not one of {', '.join(CONVERT_TARGETS)}")
     if to in ("hf", "ours"):
