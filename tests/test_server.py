@@ -573,14 +573,14 @@ def test_stop_cancels_what_is_left_after_the_timeout(model):
     seqs = [Continuation(prompt=[1, 2, 3], max_new_tokens=100, emit=events.append, stop_token_ids=frozenset())
             for _ in range(4)]
     sched.submit(seqs)  # two decode, two wait
-    stepped.allow(3)    # two prefills and one decode step
+    stepped.allow(3)    # one prefill (the two share the prompt) and two decode steps
     stepped.wait_parked()
     sched.pause()       # the loop holds after the step now waiting at the gate
     stepped.allow(None)
     sched.stop(timeout=0)  # the time is up at once: nothing more runs, everything left is cancelled
     assert not sched._thread.is_alive()
     assert [s.finish_reason for s in seqs] == ["cancelled"] * 4
-    assert [s.generated for s in seqs] == [3, 3, 0, 0]
+    assert [s.generated for s in seqs] == [4, 4, 0, 0]
     assert sum(ev[0] == "done" for ev in events) == 4
     with pytest.raises(SchedulerClosed):
         sched.submit([Continuation(prompt=[1], max_new_tokens=1)])

@@ -456,22 +456,19 @@ class Scheduler:
         """The prompt is prefilled: echo its logprobs, sample each sequence's first token, add the rows,
         and keep the cache in the prefix cache.
 
-        Each further sequence on the prompt (n > 1) re-runs only the last prompt token over the shared
-        keys and values, so its first logits come from its own forward, as after a prefix-cache hit.
+        Every sequence on the prompt (n > 1) samples from the same last-position logits, the ones
+        engine.generate's prefill gives, each with its own sampling state and generator.
         """
         for s in p.seqs:
             if s.echo_logprobs:
                 self._emit(s, ("prompt", [(lp, top[:s.logprobs or 0]) for lp, top in p.entries]))
-        joining = []
         for s in p.seqs:
             if s.max_new_tokens == 0 or s._cancel is not None:
                 self._finish(s, s._cancel or "length")
                 continue
-            logits = p.logits if not joining else self._rerun_last_token(p)
             s._state = SamplingState([s.prompt], s.sampling, self.model.config.vocab_size, self.device)
             s._generator = None if s.sampling.greedy else make_generators(s.seed, 1, self.device)
-            s._next = self._sample(s, logits)
-            joining.append(s)
+            s._next = self._sample(s, p.logits)  # sampling is pure: p.logits is never modified
             if s._next is not None:
                 with self._cond:
                     self.kv.max_bytes = self._batch_budget()
@@ -482,12 +479,6 @@ class Scheduler:
             p.seqs = []
             if self.prefix is not None:
                 self.prefix.add(p.prompt, p.cache)
-
-    def _rerun_last_token(self, p: Prefill) -> torch.Tensor:
-        p.cache.rewind(1)
-        idx = torch.tensor([p.prompt[-1:]], dtype=torch.long, device=self.device)  # (1, 1)
-        self.prefill_tokens += 1
-        return self.model(idx, cache=p.cache)[:, -1]  # (1, V)
 
     # -- KV memory ------------------------------------------------------------------------------
 
