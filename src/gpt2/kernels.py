@@ -204,7 +204,7 @@ def _read_cache(path: Path, validate=lambda entry: Choice(**entry)) -> dict:
     try:
         data = json.loads(path.read_text())
         if data.get("version") != CACHE_VERSION or not isinstance(data.get("entries"), dict):
-            raise ValueError(f"not a version-{CACHE_VERSION} kernel cache")
+            raise ValueError(f"cache version {data.get('version')!r}, this gpt2 reads version {CACHE_VERSION}")
         for entry in data["entries"].values():
             validate(entry)  # every entry must have the expected fields
         return data["entries"]
