@@ -179,8 +179,8 @@ def test_batch_kv_insert_remove_make_room_match_per_row_caches(model):
         for i, ref in enumerate(refs):
             T = ref.pos
             assert kv.mask[i, :P].tolist() == [0] * (P - T) + [1] * T
-            torch.testing.assert_close(kv.k[:, i, :, P - T:P], ref.k[:, 0, :, :T], atol=1e-6, rtol=1e-6)
-            torch.testing.assert_close(kv.v[:, i, :, P - T:P], ref.v[:, 0, :, :T], atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(kv.k[:, i, :, P - T:P], torch.stack(ref.k)[:, 0, :, :T], atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(kv.v[:, i, :, P - T:P], torch.stack(ref.v)[:, 0, :, :T], atol=1e-6, rtol=1e-6)
 
     def leave(i):
         kv.remove(i)

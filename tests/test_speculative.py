@@ -282,7 +282,8 @@ def test_rewound_cache_equals_a_fresh_one(target):
         fresh = target(torch.tensor([PROMPTS[0][:6] + [9, 8]]), cache=fresh_cache)[:, -2:]
     assert cache.pos == fresh_cache.pos == 8
     torch.testing.assert_close(rolled, fresh)
-    torch.testing.assert_close(cache.k[:, :, :, :8], fresh_cache.k[:, :, :, :8])
+    for k, fresh_k in zip(cache.k, fresh_cache.k):
+        torch.testing.assert_close(k[:, :, :8], fresh_k[:, :, :8])
     with pytest.raises(ValueError, match="rewind"):
         cache.rewind(9)
 

@@ -433,7 +433,7 @@ class Scheduler:
         source, n = self.prefix.longest_prefix(p.prompt)
         if n:
             for layer in range(self.model.config.n_layer):  # written as a forward would write them
-                p.cache.update(layer, source.k[layer, :, :, :n], source.v[layer, :, :, :n])
+                p.cache.update(layer, source.k[layer][:, :, :n], source.v[layer][:, :, :n])
             p.cache.advance(n)
             p.done = n
 
