@@ -346,9 +346,13 @@ class FastLinear(nn.Module):
     """y = act(x W^T + b) with W stored in a WeightFormat and one chosen path per regime. Inference only."""
 
     def __init__(self, fmt: WeightFormat, weight: torch.Tensor, bias: torch.Tensor | None,
-                 paths: dict[str, str], activation: str | None = None):
+                 paths: dict[str, str], activation: str | None = None, returns_kernel_dtype: bool = False):
         super().__init__()
         self.format, self.activation = fmt, activation
+        # returns_kernel_dtype: y stays in the kernel's dtype (bf16) instead of the input's. For layers
+        # whose consumer is the next linear (which would cast it back) or the residual add (which
+        # promotes to float32 exactly as a cast would): the same numbers, two casts fewer per layer.
+        self.returns_kernel_dtype = returns_kernel_dtype
         # torch.compile (the engine's compile=True) calls oneDNN through an opaque op; Inductor cannot
         # lower the int8 / int4 kernels on weights it did not pack itself.
         self.compilable = fmt.precision in ("float32", "bfloat16")
@@ -377,7 +381,9 @@ class FastLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).to(self.dtype).contiguous()  # (M, K); kernels need contiguous rows
         y = self.paths[regime_of(x2.size(0))](x2, self.kernel_args, self.bias, self.activation)
-        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        if not self.returns_kernel_dtype:
+            y = y.to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         fused = f", {self.activation} fused" if self.activation else ""
@@ -410,7 +416,11 @@ def apply_plan(model: nn.Module, plan) -> nn.Module:
         precision = layer_precision(plan.precision, attr)
         choice = plan.choice_for(linear.out_features, linear.in_features, activation, precision)
         fmt = format_named(precision, choice.format, device_type)
-        setattr(parent, attr, FastLinear(fmt, linear.weight, linear.bias, choice.paths, activation))
+        # The residual projections feed the float32 residual add; a c_fc with its GELU fused feeds the
+        # MLP's c_proj. c_attn (attention runs in float32) and the lm_head (float32 logits) cast back.
+        feeds_linear_or_residual = attr == "c_proj" or (attr == "c_fc" and activation is not None)
+        setattr(parent, attr, FastLinear(fmt, linear.weight, linear.bias, choice.paths, activation,
+                                         returns_kernel_dtype=feeds_linear_or_residual))
         if activation is not None:
             parent.act = nn.Identity()
     return model.eval()
