@@ -19,7 +19,7 @@ each precision, ours and llama.cpp's (logits_all=True over the same tokens, on G
 model), the increase over float32, and top-1 agreement with that tool's float32.
 
 llama.cpp comes from llama-cpp-python, built from source in the benchmark venv `.bench-venv` (make
-bench-cpu makes it); GGUFs are written by llama.cpp's convert_hf_to_gguf.py from that sdist, Q4_0 by
+bench-cpu makes it); GGUFs are written by our own exporter (`gpt2 convert`), Q4_0 by
 llama_cpp.llama_model_quantize.
 """
 
@@ -36,7 +36,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_VENV = ROOT / ".bench-venv"
-CONVERTER = BENCH_VENV / "llama.cpp" / "convert_hf_to_gguf.py"
 OURS = {"float32": "float32", "bfloat16": "bfloat16", "int8": "int8", "int4": "int4"}
 LLAMA = {"float32": "F32", "bfloat16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
 # Bytes per weight a decode step reads: ours (int8: + a bf16 scale per row; int4: + bf16 scale and zero
@@ -200,7 +199,8 @@ def machine_report() -> float:
 
 
 def make_gguf(model_dir: Path, precision: str, out_dir: Path) -> Path:
-    """A GGUF of the HF directory: convert_hf_to_gguf.py for F32/BF16/Q8_0, llama_model_quantize for Q4_0."""
+    """A GGUF of the HF directory: our writer (`gpt2 convert`, byte-identical to llama.cpp's
+    convert_hf_to_gguf.py for GPT-2: formats/gguf.py) for F32/BF16/Q8_0, llama_model_quantize for Q4_0."""
     out = out_dir / f"model-{LLAMA[precision]}.gguf"
     if out.exists():
         return out
@@ -212,10 +212,9 @@ def make_gguf(model_dir: Path, precision: str, out_dir: Path) -> Path:
         subprocess.run([str(BENCH_VENV / "bin/python"), "-c", code, str(f32), str(out)], check=True,
                        capture_output=True)
     else:
-        env = {**os.environ, "PYTHONPATH": str(CONVERTER.parent / "gguf-py")}
-        subprocess.run([sys.executable, str(CONVERTER), str(model_dir), "--outtype",
-                        {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0"}[precision], "--outfile", str(out)],
-                       check=True, capture_output=True, env=env)
+        from gpt2.weights import convert
+        convert(str(model_dir), str(out), to="gguf", dtype={"float32": "float32", "bfloat16": "bfloat16",
+                                                              "int8": "q8_0"}[precision], output_tensor=False)
     return out
 
 

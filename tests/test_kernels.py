@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from gpt2 import GPT, GPTConfig
 from gpt2.engine import generate, generate_naive
-from gpt2.quantize import (CPU_FORMATS, INT4_GROUP, PRECISIONS, FastLinear, apply_plan, formats_for,
+from gpt2.quantize import (CPU_FORMATS, INT4_GROUP, PRECISIONS, FastLinear, apply_plan, format_named, formats_for,
                            quantize_int4_groups, quantize_per_channel)
 from gpt2 import kernels
 
@@ -75,16 +75,42 @@ def test_int4_groups_error_is_half_a_step():
     assert ((exact - w).abs() <= step / 2 + 1e-5).all()
 
 
+def test_int4pack_dequantize_reads_the_kernels_own_layout_exactly():
+    """The bf16 weight read back from _weight_int4pack_mm_for_cpu's packed form is (q - 8) s + z of
+    every element (computed independently here), and the kernel's own product with the identity
+    agrees with it: the layout assumption is the kernel's."""
+    from gpt2.quantize import int4pack_dequantize
+    torch.manual_seed(0)
+    N, K = 192, 128
+    w = torch.randn(N, K)
+    fmt = format_named("int4", "int4pack")
+    t = {k: getattr(v, "obj", v) for k, v in fmt.pack(w, None).items()}
+    back = int4pack_dequantize(t["int4pack"], t["scales_zeros_padded"])
+    assert back.dtype == torch.bfloat16
+    torch.testing.assert_close(back.double(), dequantized("int4", w).to(torch.bfloat16).double(), rtol=0, atol=0)
+    eye = torch.eye(K, dtype=torch.bfloat16)
+    kernel_view = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, t["int4pack"], INT4_GROUP, t["scales_zeros_padded"])
+    torch.testing.assert_close(kernel_view.t().double(), back.double(), rtol=2 ** -8, atol=1e-6)
+
+
+def test_a_path_that_cannot_read_a_shape_is_rejected_with_its_reason():
+    """int4pack's dequant path reads blocks of 64 rows; for 80 rows measure_shape rejects it, names why,
+    and keeps the int4 kernel for every regime."""
+    choice = kernels.measure_shape("int4", 80, 64, None)
+    assert "blocks of 64 rows" in choice.rejected["int4pack/dequant bf16"]
+    assert set(choice.paths.values()) == {"int4pack_mm"}
+
+
 # --- every path against its reference ---------------------------------------------------------
 
-ROWS = (1, 8, 40)  # decode, batch, prefill regimes
+ROWS = (1, 8, 40, 300)  # decode, batch, prefill and long regimes
 
 
 @pytest.mark.parametrize("fmt", [f for f in CPU_FORMATS if f.available()], ids=lambda f: f"{f.precision}-{f.name}")
 @pytest.mark.parametrize("activation", [None, "gelu_tanh"])
 def test_every_path_matches_its_reference(fmt, activation):
     torch.manual_seed(0)
-    N, K = 80, 64
+    N, K = 128, 64  # N a multiple of 64: int4pack's "dequant bf16" reads the kernel's blocks of 64 rows
     w, b = torch.randn(N, K) * 0.1, torch.randn(N) * 0.1
     tensors = {k: getattr(v, "obj", v) for k, v in fmt.pack(w, b).items()}
     for name, path in fmt.paths.items():
@@ -202,11 +228,20 @@ def test_a_corrupt_or_foreign_cache_is_ignored_with_one_warning(kernel_cache, co
 
 
 def test_choice_takes_the_format_nearest_the_best_of_each_regime():
-    timings = {"a": {"p": {"decode": 10.0, "batch": 50.0, "prefill": 100.0}},
-               "b": {"p": {"decode": 12.0, "batch": 20.0, "prefill": 100.0},
-                     "q": {"decode": 11.0, "batch": 90.0, "prefill": 300.0}}}
+    timings = {"a": {"p": {"decode": 10.0, "batch": 50.0, "prefill": 100.0, "long": 400.0}},
+               "b": {"p": {"decode": 12.0, "batch": 20.0, "prefill": 100.0, "long": 400.0},
+                     "q": {"decode": 11.0, "batch": 90.0, "prefill": 300.0, "long": 350.0}}}
     choice = kernels._choose(timings, {})
-    assert choice.format == "b" and choice.paths == {"decode": "q", "batch": "p", "prefill": "p"}
+    assert choice.format == "b" and choice.paths == {"decode": "q", "batch": "p", "prefill": "p", "long": "q"}
+
+
+def test_long_is_timed_unless_prefill_proves_it_cannot_win():
+    """At 4x the rows a path takes at most 4x its time, so only a path > 4x the best prefill is skipped;
+    a format's first path is always timed, so every format covers every regime."""
+    timings = {"a": {"p": {"prefill": 100.0}}}
+    assert kernels._may_win_long({"prefill": 400.0}, timings, "a")
+    assert not kernels._may_win_long({"prefill": 401.0}, timings, "a")
+    assert kernels._may_win_long({"prefill": 5000.0}, timings, "b")
 
 
 def test_a_path_outside_its_rounding_is_rejected(monkeypatch):

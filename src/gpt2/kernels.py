@@ -12,12 +12,13 @@ and the precision asked for, every weight format quantize.py offers is packed fr
 and each of its paths is
   1. checked against the float64 product of the weights that format computes with (a path outside
      its precision's rounding, as a kernel with a layout bug would be, is rejected), then
-  2. timed at 1 row (decode), 8 rows (batched decode) and 128 rows (prefill), keeping the fastest
-     of a few repeats (other work only adds time). Decode and batch rotate over enough copies of the
-     weight to exceed the last-level cache, so they read memory as a real model does; prefill is
-     bound by FLOPs and uses one copy.
+  2. timed at 1 row (decode), 8 rows (batched decode), 128 rows (prefill) and 512 rows (long: a
+     long prompt or a server's prefill chunk, from 256 rows), keeping the fastest of a few repeats
+     (other work only adds time). Decode and batch rotate over enough copies of the weight to exceed
+     the last-level cache, so they read memory as a real model does; prefill and long are bound by
+     FLOPs and use one copy.
 Per format, each regime takes its fastest path; the format kept is the one whose regimes are, summed,
-closest to the best of each (time / best time, added over the three regimes).
+closest to the best of each (time / best time, added over the four regimes).
 
 Results are cached per CPU model and features, torch version, thread count and candidate list, in
 $XDG_CACHE_HOME/gpt2/kernels.json (default ~/.cache), written atomically. A corrupt or foreign file
@@ -41,8 +42,8 @@ from gpt2.quantize import REGIMES, formats_for, kernel_dtype, layer_precision, l
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 2  # 2: decode copies own their storage (version 1 timed float32 plain cache-hot)
-ROWS = {"decode": 1, "batch": 8, "prefill": 128}  # the rows each regime is timed at
+CACHE_VERSION = 3  # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long"
+ROWS = {"decode": 1, "batch": 8, "prefill": 128, "long": 512}  # the rows each regime is timed at
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2 ** -7, "int8": 2 ** -7, "int4": 2 ** -7}  # relative, see _check
 REPEATS = 5
 FEATURE_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile")
@@ -253,20 +254,24 @@ def measure_shape(precision: str, out_features: int, in_features: int, activatio
         except RuntimeError as e:
             rejected[fmt.name] = f"pack failed: {str(e).splitlines()[0][:120]}"
             continue
-        reference = fmt.reference_weight(w, tensors)
         copies = _copies(fmt, w, bias, tensors)
         b = bias.to(dtype)
+        expected = Expected(fmt.reference_weight(w, tensors), bias.to(dtype).double(), activation, precision)
         for name, path in fmt.paths.items():
-            regimes = ("decode",) if name in fmt.one_row_paths else REGIMES
-            why = _check(path, tensors, b, activation, reference, bias, inputs, regimes, precision,
-                         name in fmt.dynamic_paths)
+            dynamic = name in fmt.dynamic_paths
+            times, why = {}, None
+            for r in ("decode",) if name in fmt.one_row_paths else REGIMES:
+                if r == "long" and not _may_win_long(times, timings, fmt.name):
+                    continue
+                why = _check(path, tensors, b, activation, expected, inputs, (r,), dynamic)
+                if why:
+                    break
+                times[r] = _time_path(path, copies if r in ("decode", "batch") else copies[:1], b, activation,
+                                      inputs[r], _best(timings, r)) * 1e6
             if why:
                 rejected[f"{fmt.name}/{name}"] = why
-                continue
-            timings.setdefault(fmt.name, {})[name] = {
-                r: _time_path(path, copies if r != "prefill" else copies[:1], b, activation, inputs[r],
-                              _best(timings, r)) * 1e6
-                for r in regimes}
+            else:
+                timings.setdefault(fmt.name, {})[name] = times
     if not timings:
         raise RuntimeError(f"no {precision} kernel passed its check for {out_features}x{in_features}: {rejected}")
     return _choose(timings, rejected)
@@ -285,12 +290,45 @@ def _unwrap(tensors: dict) -> dict:
     return {k: getattr(v, "obj", v) for k, v in tensors.items()}
 
 
-def _check(path, tensors, b, activation, reference, bias, inputs, regimes, precision, dynamic) -> str | None:
-    """None if the path computes act(x W^T + b) within its precision's rounding at each regime's rows.
+CHECKED_ROWS = 64  # a long call's outputs are checked on its first and last rows: the float64 reference
+                   # of all 512 rows of the lm_head would cost seconds per format
 
-    The bound, per output: tol * (|x| @ |W|^T + |b|), plus for activations quantized per token half a
-    quantization step of that row of x (max|x| / 254) times sum_k |W|. The reference is float64.
-    """
+
+class Expected:
+    """A format's float64 reference, act(x W^T + b), and the rounding bound around it, for the rows
+    a check compares; computed once per input and shared by all of the format's paths."""
+
+    def __init__(self, reference: torch.Tensor, bias: torch.Tensor, activation: str | None, precision: str):
+        self.reference, self.bias, self.activation, self.tolerance = reference, bias, activation, TOLERANCE[precision]
+        self.memo = {}
+
+    @staticmethod
+    def rows(x: torch.Tensor) -> torch.Tensor:
+        if x.size(0) <= 2 * CHECKED_ROWS:
+            return torch.arange(x.size(0))
+        return torch.cat((torch.arange(CHECKED_ROWS), torch.arange(x.size(0) - CHECKED_ROWS, x.size(0))))
+
+    def __call__(self, x: torch.Tensor, dynamic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(exact, bound) for x's checked rows. The bound, per output: tol * (|x| @ |W|^T + |b|), plus for
+        activations quantized per token half a quantization step of that row of x (max|x| / 254) times
+        sum_k |W|."""
+        key = (x.data_ptr(), x.size(0), dynamic)
+        if key not in self.memo:
+            xd = x[self.rows(x)].double()
+            exact = xd @ self.reference.t() + self.bias
+            bound = self.tolerance * (xd.abs() @ self.reference.abs().t() + self.bias.abs())
+            if dynamic:  # half a quantization step of each row's x (255 levels over [-max, max]), times sum |W|
+                bound = bound + xd.abs().amax(dim=1, keepdim=True) / 254 * self.reference.abs().sum(1)
+            if self.activation is not None:
+                exact = torch.nn.functional.gelu(exact, approximate="tanh")  # GELU's slope is within [-0.17, 1.13]
+                bound = 1.13 * bound + self.tolerance * exact.abs()
+            self.memo[key] = exact, bound
+        return self.memo[key]
+
+
+def _check(path, tensors, b, activation, expected: Expected, inputs, regimes, dynamic) -> str | None:
+    """None if the path computes act(x W^T + b) within its precision's rounding at each regime's rows
+    (Expected: the float64 reference and the bound)."""
     t = _unwrap(tensors)
     for r in regimes:
         x = inputs[r]
@@ -298,20 +336,24 @@ def _check(path, tensors, b, activation, reference, bias, inputs, regimes, preci
             y = path(x, t, b, activation).double()
         except (RuntimeError, NotImplementedError) as e:
             return f"fails at {x.size(0)} rows: {str(e).splitlines()[0][:120]}"
-        xd = x.double()
-        exact = xd @ reference.t() + bias.to(b.dtype).double()
-        bound = TOLERANCE[precision] * (xd.abs() @ reference.abs().t() + bias.double().abs())
-        if dynamic:  # half a quantization step of each row's x (255 levels over [-max, max]), times sum |W|
-            bound = bound + xd.abs().amax(dim=1, keepdim=True) / 254 * reference.abs().sum(1)
-        if activation is not None:
-            exact = torch.nn.functional.gelu(exact, approximate="tanh")  # GELU's slope is within [-0.17, 1.13]
-            bound = 1.13 * bound + TOLERANCE[precision] * exact.abs()
-        if y.shape != exact.shape:
+        exact, bound = expected(x, dynamic)
+        if y.shape != (x.size(0), exact.size(1)):
             return f"wrong shape {tuple(y.shape)} at {x.size(0)} rows"
-        excess = ((y - exact).abs() - bound - 1e-6).max().item()
+        excess = ((y[Expected.rows(x)] - exact).abs() - bound - 1e-6).max().item()
         if not math.isfinite(excess) or excess > 0:
             return f"outside its rounding at {x.size(0)} rows (max excess {excess:.3g})"
     return None
+
+
+def _may_win_long(times: dict, timings: dict, fmt: str) -> bool:
+    """Whether a path is worth timing at "long" (512 rows: a slow path there costs a second or more).
+
+    A call's time grows with its rows, and a path's time at 4x the rows is at most 4x its time (a
+    fixed cost plus a cost per row), so a path more than 4x slower than the best at "prefill" cannot
+    be the fastest at "long". The first path of each format is always timed, so every format is
+    complete."""
+    ratio = ROWS["long"] / ROWS["prefill"]
+    return fmt not in timings or times["prefill"] <= ratio * _best(timings, "prefill") * 1e6
 
 
 def _best(timings: dict, regime: str) -> float:

@@ -23,8 +23,9 @@ functions (x (M, K), tensors) -> y (M, N). Every path of a format computes with 
               as llama.cpp's Q8_0 does (the kernel takes one scale per call: for several rows each row
               is first scaled to max |x| = 1, "u8s8 per row")
   int4      per group of 32 along K, w = (q - 8) * s + z (asymmetric, PyTorch's tinygemm convention):
-              _weight_int4pack_mm_for_cpu (bf16 activations) on CPU; elsewhere the nibbles are
-              dequantized for a bf16 GEMM (on CPU that measured 2-50x slower, so it is not offered)
+              _weight_int4pack_mm_for_cpu (bf16 activations) on CPU, or for long prefills its packed
+              weight dequantized to bf16 once per call for a bf16 GEMM; elsewhere the nibbles are
+              dequantized for a bf16 GEMM
 
 The lm_head is quantized too (its own copy; wte stays float32 for the lookup); an int4 model keeps it
 at int8 (HEAD_PRECISION). Activations around the linears stay float32 at every precision (kernel_dtype).
@@ -169,6 +170,35 @@ def _int4pack(x, t, bias, activation):
     return _act(y if bias is None else y + bias.to(y.dtype), activation).to(x.dtype)
 
 
+def int4pack_dequantize(packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """The bf16 weight (N, K) that _weight_int4pack_mm_for_cpu computes with, from its own packed form.
+
+    packed (N, K/2) uint8 is laid out in blocks of 64 output rows, [N/64][K][32]: byte j of (block b,
+    column k) holds row 64 b + j in its low nibble and row 64 b + 32 + j in its high one. This layout
+    is the kernel's, not a documented format: kernels.py checks the path against the float64 reference
+    before using it, so a torch that packs differently gets this path rejected, never wrong numbers.
+    scales_zeros (K/group, N, 2) bf16.
+    """
+    N, K = packed.size(0), 2 * packed.size(1)
+    if N % 64:
+        raise RuntimeError(f"the CPU int4 packing is read in blocks of 64 rows; {N} rows are not")
+    G = scales_zeros.size(0)
+    blocks = packed.view(N // 64, G, K // G, 32)
+    q = torch.cat((blocks & 15, blocks >> 4), dim=-1).to(torch.bfloat16).sub_(8)  # (N/64, G, K/G, 64): q - 8, exact
+    scale = scales_zeros[..., 0].reshape(G, N // 64, 1, 64).transpose(0, 1).contiguous()  # (N/64, G, 1, 64)
+    zero = scales_zeros[..., 1].reshape(G, N // 64, 1, 64).transpose(0, 1).contiguous()
+    w = torch.addcmul(zero, q, scale)  # (q - 8) s + z, rounded once to bf16: (N/64, G, K/G, 64) = (N/64, K, 64)
+    return w.view(N // 64, K, 64).transpose(1, 2).reshape(N, K)
+
+
+def _int4pack_dequant(x, t, bias, activation):
+    # Long prefills: one pass over the weight to make it bf16, then a bf16 GEMM, which for hundreds of
+    # rows runs faster than the int4 kernel's own (measured by kernels.py).
+    w = int4pack_dequantize(t["int4pack"], t["scales_zeros_padded"])[: t["out_features"]]  # padding rows dropped
+    y = F.linear(x.to(torch.bfloat16), w, None if bias is None else bias.to(torch.bfloat16))
+    return _act(y, activation).to(x.dtype)
+
+
 def _int4_dequant(x, t, bias, activation):
     w = _int4_dequantize(t["nibbles"], t["scales_zeros"], torch.float32).to(torch.bfloat16)  # no cancellation in bf16
     y = F.linear(x.to(torch.bfloat16), w, None if bias is None else bias.to(torch.bfloat16))
@@ -286,7 +316,8 @@ CPU_FORMATS: list[WeightFormat] = [
                   "dequant bf16": _int8_dequant(torch.bfloat16)},
                  dynamic_paths=("u8s8 dynamic", "u8s8 per row"), one_row_paths=("u8s8 dynamic",),
                  available=_engine_available("onednn")),
-    WeightFormat("int4pack", "int4", _pack_int4(packed=True, unpacked=False), _int4_reference, {"int4pack_mm": _int4pack},
+    WeightFormat("int4pack", "int4", _pack_int4(packed=True, unpacked=False), _int4_reference,
+                 {"int4pack_mm": _int4pack, "dequant bf16": _int4pack_dequant},
                  available=_has("aten", "_weight_int4pack_mm_for_cpu")),
 ]
 # Elsewhere (CUDA, MPS) each precision has one format; its GEMM libraries are not chosen from here.
@@ -333,13 +364,17 @@ def layer_precision(precision: str, attr: str) -> str:
 # the module: one linear in one format, one path per regime
 # ---------------------------------------------------------------------------------------------
 
-REGIMES = ("decode", "batch", "prefill")
+REGIMES = ("decode", "batch", "prefill", "long")
 BATCH_ROWS = 2      # from here on a call is "batch" (several sequences decoding at once)
-PREFILL_ROWS = 33   # and from here on "prefill"
+PREFILL_ROWS = 33   # from here on "prefill"
+LONG_ROWS = 256     # and from here on "long" (a long prompt, or a server's prefill chunk): the cost of
+                    # dequantizing a weight once per call is spread over enough rows to pay off
 
 
 def regime_of(rows: int) -> str:
-    return "decode" if rows < BATCH_ROWS else "batch" if rows < PREFILL_ROWS else "prefill"
+    if rows < PREFILL_ROWS:
+        return "decode" if rows < BATCH_ROWS else "batch"
+    return "prefill" if rows < LONG_ROWS else "long"
 
 
 class FastLinear(nn.Module):
