@@ -56,10 +56,10 @@ def choose_head_plan(rows: int, n_embd: int, vocab_size: int, dtype: str, device
     result, source = cached_measurement("lm_head", key, lambda: measure_head_plans(rows, n_embd, vocab_size, dtype),
                                         validate=lambda entry: HeadPlan.parse(entry["plan"]))
     plan = HeadPlan.parse(result["plan"])
+    times = {p: f"{ms:.3g} ms" for p, ms in result["step_ms"].items()}
     default = str(HeadPlan.default(n_embd))
-    times = result["step_ms"]
-    versus = f", the default {default} {times[default]:.3g} ms" if default in times and default != result["plan"] else ""
-    return plan, f"{source}: forward + backward {times[result['plan']]:.3g} ms{versus}; {len(times)} plans timed"
+    shown = [f"{p} {times[p]}" for p in dict.fromkeys([str(plan), default]) if p in times]
+    return plan, f"{source}: forward + backward {', '.join(shown) or '?'} ({len(times)} plans timed)"
 
 
 def measure_head_plans(rows: int, n_embd: int, vocab_size: int, dtype: str) -> dict:
