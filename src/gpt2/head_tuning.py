@@ -28,6 +28,7 @@ CHUNK_ROWS = (32, 64, 128, 256, 512)
 WEIGHT_GRAD_GROUPS = (2, 4)      # weight-gradient GEMM every 2 or 4 chunks (tried for the best chunk size)
 MAX_WEIGHT_GRAD_ROWS = 1024      # bounds the held dlogits: 1024 x 50257 in bf16 is 103 MB
 ROUNDS = 3
+VERSION = 2  # in the cache key: a change to the head's implementation makes old timings stale
 
 
 def candidate_plans(rows: int, n_embd: int) -> list[HeadPlan]:
@@ -52,11 +53,11 @@ def choose_head_plan(rows: int, n_embd: int, vocab_size: int, dtype: str, device
     if not device.startswith("cpu"):
         return HeadPlan.default(n_embd), "the default (measured on CPUs only)"
     from gpt2.kernels import cached_measurement
-    key = {"kind": "lm_head", "rows": rows, "n_embd": n_embd, "vocab_size": vocab_size, "dtype": dtype}
+    key = {"kind": "lm_head", "version": VERSION, "rows": rows, "n_embd": n_embd, "vocab_size": vocab_size, "dtype": dtype}
     result, source = cached_measurement("lm_head", key, lambda: measure_head_plans(rows, n_embd, vocab_size, dtype),
                                         validate=lambda entry: HeadPlan.parse(entry["plan"]))
     plan = HeadPlan.parse(result["plan"])
-    times = {p: f"{ms:.3g} ms" for p, ms in result["step_ms"].items()}
+    times = {p: f"{ms:.0f} ms" if ms >= 10 else f"{ms:.2g} ms" for p, ms in result["step_ms"].items()}
     default = str(HeadPlan.default(n_embd))
     shown = [f"{p} {times[p]}" for p in dict.fromkeys([str(plan), default]) if p in times]
     return plan, f"{source}: forward + backward {', '.join(shown) or '?'} ({len(times)} plans timed)"

@@ -218,10 +218,7 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         n_scored = (targets != -100).sum().clamp(min=1)  # the mean is over the scored tokens
         loss = torch.zeros((), dtype=accumulate, device=x.device)
         grad_x = torch.empty_like(x) if needs_grad else None
-        # oneDNN accumulates the weight gradient transposed, (C, V): x.T @ dlogits as a @ b.T with b = dlogits.T
-        grad_w = (torch.zeros(w.shape[::-1] if onednn else w.shape, dtype=accumulate, device=x.device)
-                  if needs_grad else None)
-        pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (dlogits, scaled x) rows not yet in grad_w
+        grad_w = WeightGradient(plan, x.size(0), onednn, accumulate) if needs_grad else None
         for start in range(0, x.size(0), plan.chunk_rows):
             rows = slice(start, start + plan.chunk_rows)
             xc, tc = x[rows].to(gemm), targets[rows]  # (n, C), (n,)
@@ -237,14 +234,12 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             dlogits = log_probs.exp_()  # softmax, in place
             dlogits.scatter_add_(1, picked, -scored.to(accumulate).unsqueeze(1))  # minus one_hot(target)
             row_scale = (scored.to(accumulate) / n_scored).unsqueeze(1)  # (n, 1); 0 for ignored rows
-            dlogits = dlogits.to(gemm)  # one cast per chunk (a no-op in float32)
+            dlogits = grad_w.hold(dlogits, (xc * row_scale).to(gemm), gemm)  # cast once (a no-op in float32)
             grad_x[rows] = (_onednn_linear(dlogits, w_t) if onednn else dlogits @ w) * row_scale
-            pending.append((dlogits, (xc * row_scale).to(gemm)))
-            if len(pending) * plan.chunk_rows >= plan.weight_grad_rows or start + plan.chunk_rows >= x.size(0):
-                _add_weight_grad(grad_w, pending, onednn)
-                pending = []
+            if grad_w.held_rows >= plan.weight_grad_rows or start + plan.chunk_rows >= x.size(0):
+                grad_w.flush()
         if needs_grad:
-            ctx.save_for_backward(grad_x, (grad_w.t() if onednn else grad_w).to(weight.dtype).contiguous())
+            ctx.save_for_backward(grad_x, grad_w.total().to(weight.dtype))
         return loss / n_scored
 
     @staticmethod
@@ -253,16 +248,60 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         return grad_x * grad_loss, grad_weight * grad_loss, None, None, None
 
 
-def _add_weight_grad(grad_w: torch.Tensor, pending: list, onednn: bool) -> None:
-    """grad_w += dlogits.T @ x_scaled over the pending chunks, as one GEMM (grad_w is (C, V) for oneDNN)."""
-    dlogits = pending[0][0] if len(pending) == 1 else torch.cat([d for d, _ in pending])  # (rows, V)
-    xs = pending[0][1] if len(pending) == 1 else torch.cat([x for _, x in pending])  # (rows, C)
-    if onednn:
-        grad_w += _onednn_linear(xs.t().contiguous(), dlogits.t())  # (C, rows) @ (rows, V)
-    elif dlogits.dtype == grad_w.dtype:
-        grad_w.addmm_(dlogits.t(), xs)  # in place: no (V, C) temporary
-    else:
-        grad_w += dlogits.t() @ xs  # bf16 GEMM; CPU PyTorch has no mixed-dtype addmm
+class WeightGradient:
+    """The lm_head's weight gradient, the sum over chunks of dlogits.T @ x_scaled, as one GEMM per
+    plan.weight_grad_rows rows.
+
+    hold() keeps a chunk's dlogits in the GEMM dtype (when chunks are grouped, cast straight into a
+    (rows, V) buffer) and its scaled x; flush() runs (V, rows) @ (rows, C) over what is held. The
+    first flush's product is the sum itself, so a single flush needs no zeroed (V, C) buffer and no
+    add. oneDNN computes a @ b.T, so it sums the transpose, (C, V) = x_scaled.T @ dlogits.
+    """
+
+    def __init__(self, plan: HeadPlan, rows: int, onednn: bool, accumulate: torch.dtype):
+        self.grouped_rows = min(plan.weight_grad_rows, rows) if plan.weight_grad_rows > plan.chunk_rows else 0
+        self.onednn, self.accumulate = onednn, accumulate
+        self.sum: torch.Tensor | None = None  # (V, C), or (C, V) for oneDNN
+        self.buffer: torch.Tensor | None = None  # (grouped_rows, V), allocated on the first chunk
+        self.dlogits: list[torch.Tensor] = []  # ungrouped: the one held chunk's dlogits
+        self.xs: list[torch.Tensor] = []  # the held chunks' (n, C) x_scaled
+        self.held_rows = 0
+
+    def hold(self, dlogits: torch.Tensor, xs: torch.Tensor, gemm: torch.dtype) -> torch.Tensor:
+        """Keep a chunk ((n, V) dlogits, (n, C) x_scaled); returns its dlogits in the GEMM dtype."""
+        n = dlogits.size(0)
+        if self.grouped_rows:
+            if self.buffer is None:
+                self.buffer = torch.empty(self.grouped_rows, dlogits.size(1), dtype=gemm, device=dlogits.device)
+            dlogits = self.buffer[self.held_rows: self.held_rows + n].copy_(dlogits)
+        else:
+            dlogits = dlogits.to(gemm)  # one cast per chunk (a no-op in float32)
+            self.dlogits = [dlogits]
+        self.held_rows += n
+        self.xs.append(xs)
+        return dlogits
+
+    def flush(self) -> None:
+        dlogits = self.buffer[: self.held_rows] if self.grouped_rows else self.dlogits[0]  # (rows, V)
+        xs = self.xs[0] if len(self.xs) == 1 else torch.cat(self.xs)  # (rows, C)
+        self.held_rows, self.xs, self.dlogits = 0, [], []
+        if self.onednn:
+            product = _onednn_linear(xs.t().contiguous(), dlogits.t())  # (C, rows) @ (rows, V)
+        elif self.sum is not None and dlogits.dtype == self.sum.dtype:
+            self.sum.addmm_(dlogits.t(), xs)  # float32: in place, no (V, C) temporary
+            return
+        else:
+            product = dlogits.t() @ xs  # (V, rows) @ (rows, C); CPU PyTorch has no mixed-dtype addmm
+        if self.sum is None:
+            self.sum = product  # rounded to the GEMM dtype once per flush, like every later product
+        else:
+            self.sum = self.sum.to(self.accumulate)  # bf16 products are summed in float32
+            self.sum += product
+
+    def total(self) -> torch.Tensor:
+        """(V, C) in the accumulation dtype."""
+        total = self.sum.to(self.accumulate)
+        return total.t().contiguous() if self.onednn else total
 
 
 class GPT(nn.Module):
