@@ -79,7 +79,8 @@ def main():
           f"memory {memory_bandwidth_gbs():.1f} GB/s")
     variants = {}
     for dtype in args.dtypes.split(","):
-        plan, why = choose_head_plan(B * T, config.n_embd, config.vocab_size, dtype)
+        plan, why = choose_head_plan(B * T, config.n_embd, config.vocab_size, dtype,
+                                     padded_vocab_size=ours.padded_vocab_size)
         print(f"lm_head {dtype}: {plan} ({why})")
         for name, model, loss_fn in ((f"ours {plan}", ours, ours_loss(plan)),
                                      ("ours default head", ours, ours_loss(HeadPlan.default(config.n_embd))),

@@ -32,10 +32,10 @@ def every_plan() -> list[HeadPlan]:
 PLANS = every_plan()
 
 
-def head_inputs(dtype):
+def head_inputs(dtype, padding: int = 0):
     torch.manual_seed(0)
     x = torch.randn(ROWS, WIDTH, dtype=dtype, requires_grad=True)
-    weight = torch.randn(VOCAB, WIDTH, dtype=dtype, requires_grad=True)
+    weight = torch.randn(VOCAB + padding, WIDTH, dtype=dtype, requires_grad=True)  # padded rows are never scored
     targets = torch.randint(0, VOCAB, (ROWS,))
     targets[[0, 5, 6, 33, 69]] = -100  # ignored rows, in the first and the ragged last chunk
     return x, weight, targets
@@ -48,17 +48,19 @@ def test_the_tuner_tries_both_libraries_and_grouped_weight_gradients():
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=str)
-def test_every_plan_equals_plain_cross_entropy_in_float64_and_float32(plan):
+@pytest.mark.parametrize("padding", [0, 11], ids=["vocab", "padded vocab"])
+def test_every_plan_equals_plain_cross_entropy_in_float64_and_float32(plan, padding):
     for dtype, loss_tol, atol, rtol in ((torch.float64, 1e-12, 1e-12, 1e-10), (torch.float32, 1e-6, 1e-6, 1e-4)):
-        x, weight, targets = head_inputs(dtype)
+        x, weight, targets = head_inputs(dtype, padding)
         x64, w64 = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
-        reference = F.cross_entropy(x64 @ w64.t(), targets, ignore_index=-100)
-        grads = torch.autograd.grad(2.5 * reference, (x64, w64))
-        loss = lm_head_cross_entropy(x, weight, targets, plan)
+        reference = F.cross_entropy(x64 @ w64[:VOCAB].t(), targets, ignore_index=-100)
+        grads = torch.autograd.grad(2.5 * reference, (x64, w64))  # padded rows: exactly 0
+        loss = lm_head_cross_entropy(x, weight, targets, plan, vocab_size=VOCAB)
         ours = torch.autograd.grad(2.5 * loss, (x, weight))
         assert loss.dtype == dtype and abs(loss.item() - reference.item()) < loss_tol * max(1.0, reference.item())
         for a, b in zip(ours, grads):
             assert a.dtype == dtype and torch.allclose(a.double(), b, atol=atol, rtol=rtol)
+        assert (ours[1][VOCAB:] == 0).all()
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=str)

@@ -78,9 +78,9 @@ def run_recorded(model, mode, B, T, P):
     rec, cache_updates = Recorder(model), []
     fused_head = gpt2.model.lm_head_cross_entropy
 
-    def recording_head(x, weight, targets, plan=None):  # training's fused lm_head + loss is a function
+    def recording_head(x, weight, targets, **options):  # training's fused lm_head + loss is a function
         rec.fused_head = ([_shape(x), _shape(targets)], [])
-        return fused_head(x, weight, targets, plan)
+        return fused_head(x, weight, targets, **options)
     with rec, mock.patch("gpt2.model.lm_head_cross_entropy", recording_head):
         if mode in ("full", "training"):
             out = model(idx, targets=idx if mode == "training" else None)

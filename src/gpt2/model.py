@@ -22,6 +22,7 @@ distributed.py wraps the model from outside.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -181,7 +182,7 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def lm_head_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                          plan: HeadPlan | int | None = None) -> torch.Tensor:
+                          plan: HeadPlan | int | None = None, vocab_size: int | None = None) -> torch.Tensor:
     """mean cross_entropy(x @ weight.T, targets) (float32, targets == -100 ignored), chunk by chunk.
 
     x (N, C) is ln_f's output, weight (V, C) the lm_head. Materializing all (N, V) logits
@@ -191,19 +192,22 @@ def lm_head_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.
     logits), so backward only scales it: no recomputation and no more FLOPs than the plain head.
     Held from forward to backward: grad_x (N, C) and grad_weight (V, C), far less than the logits.
     plan: a HeadPlan (head_tuning.py measures one), an int (rows per chunk, torch.mm), or None
-    (HeadPlan.default).
+    (HeadPlan.default). vocab_size: score only the first vocab_size of weight's rows (a padded
+    vocabulary); the padding columns' logits are -inf, so they add exactly 0 to the softmax and their
+    rows' gradient is exactly 0. Slicing the weight instead would cost a zeroed (V_padded, C) copy
+    of its gradient in backward (48 ms in GPT-2 124M's step).
     """
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if plan is None:
         plan = HeadPlan.default(x.size(1))
     elif isinstance(plan, int):
         plan = HeadPlan("aten", plan, plan)
-    return _ChunkedLMHeadLoss.apply(x, weight, targets, plan, needs_grad)
+    return _ChunkedLMHeadLoss.apply(x, weight, targets, plan, vocab_size or weight.size(0), needs_grad)
 
 
 class _ChunkedLMHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, targets, plan: HeadPlan, needs_grad: bool):
+    def forward(ctx, x, weight, targets, plan: HeadPlan, vocab_size: int, needs_grad: bool):
         # GEMMs run in the autocast dtype if autocast is on, else in the weight's; the weight is cast
         # once here, not once per chunk. Softmax, loss and the weight gradient accumulate in float32.
         device = x.device.type
@@ -218,26 +222,45 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         n_scored = (targets != -100).sum().clamp(min=1)  # the mean is over the scored tokens
         loss = torch.zeros((), dtype=accumulate, device=x.device)
         grad_x = torch.empty_like(x) if needs_grad else None
-        grad_w = WeightGradient(plan, x.size(0), onednn, accumulate) if needs_grad else None
-        for start in range(0, x.size(0), plan.chunk_rows):
-            rows = slice(start, start + plan.chunk_rows)
-            xc, tc = x[rows].to(gemm), targets[rows]  # (n, C), (n,)
-            scored = tc != -100
-            picked = tc.clamp(min=0).unsqueeze(1)  # (n, 1); ignored rows pick 0 and are masked out
-            # log_softmax works row by row (a 50257-wide row fits in L2); every extra pass over the
-            # (n, V) chunk costs memory traffic, so the 1/n_scored scaling goes on the small operands.
-            logits = _onednn_linear(xc, w) if onednn else xc @ w.t()  # (n, V)
-            log_probs = torch.log_softmax(logits.to(accumulate), dim=-1)
-            loss -= torch.where(scored, log_probs.gather(1, picked).squeeze(1), 0.0).sum()
-            if not needs_grad:
-                continue
-            dlogits = log_probs.exp_()  # softmax, in place
-            dlogits.scatter_add_(1, picked, -scored.to(accumulate).unsqueeze(1))  # minus one_hot(target)
-            row_scale = (scored.to(accumulate) / n_scored).unsqueeze(1)  # (n, 1); 0 for ignored rows
-            dlogits = grad_w.hold(dlogits, (xc * row_scale).to(gemm), gemm)  # cast once (a no-op in float32)
-            grad_x[rows] = (_onednn_linear(dlogits, w_t) if onednn else dlogits @ w) * row_scale
-            if grad_w.held_rows >= plan.weight_grad_rows or start + plan.chunk_rows >= x.size(0):
-                grad_w.flush()
+        # Every chunk reuses the same (chunk_rows, V) buffers: a fresh tensor above glibc's 32 MB mmap
+        # threshold is new pages each time, and their first-touch faults cost more than log_softmax
+        # (384 x 50257 float32: 28 ms fresh, 5 ms reused).
+        chunk = min(plan.chunk_rows, x.size(0))
+        logits_buf = torch.empty(chunk, w.size(0), dtype=gemm, device=x.device)  # logits, then bf16 dlogits
+        scores_buf = torch.empty_like(logits_buf, dtype=accumulate) if gemm != accumulate else logits_buf
+        log_probs_buf = torch.empty_like(scores_buf)  # log_softmax, then softmax - one_hot in place
+        grad_w = WeightGradient(plan, x.size(0), onednn, accumulate, logits_buf) if needs_grad else None
+        # every dtype below is explicit: autocast would only add dispatch work
+        with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
+            for start in range(0, x.size(0), plan.chunk_rows):
+                rows = slice(start, start + plan.chunk_rows)
+                xc, tc = x[rows].to(gemm), targets[rows]  # (n, C), (n,)
+                n = xc.size(0)
+                scored = tc != -100
+                picked = tc.clamp(min=0).unsqueeze(1)  # (n, 1); ignored rows pick 0 and are masked out
+                # log_softmax works row by row (a 50257-wide row fits in L2); every extra pass over the
+                # (n, V) chunk costs memory traffic, so the 1/n_scored scaling goes on the small operands.
+                if onednn:
+                    logits = _onednn_linear(xc, w)  # (n, V); oneDNN has no out=
+                else:
+                    logits = torch.mm(xc, w.t(), out=logits_buf[:n])
+                scores = scores_buf[:n].copy_(logits) if gemm != accumulate else logits  # to float32
+                scores[:, vocab_size:] = -math.inf  # padding columns (none unless the vocabulary is padded)
+                log_probs = torch.ops.aten._log_softmax.out(scores, -1, False, out=log_probs_buf[:n])
+                loss -= torch.where(scored, log_probs.gather(1, picked).squeeze(1), 0.0).sum()
+                if not needs_grad:
+                    continue
+                dlogits = log_probs.exp_()  # softmax, in place
+                dlogits.scatter_add_(1, picked, -scored.to(accumulate).unsqueeze(1))  # minus one_hot(target)
+                row_scale = (scored.to(accumulate) / n_scored).unsqueeze(1)  # (n, 1); 0 for ignored rows
+                # The GEMM-dtype copy goes to the weight gradient's buffer when chunks are grouped, else
+                # over the logits (no longer needed); in float32 ungrouped it is dlogits itself.
+                held = grad_w.slot(n) if grad_w.grouped_rows else (logits if gemm != accumulate else None)
+                dlogits = held.copy_(dlogits) if held is not None else dlogits
+                grad_w.hold(dlogits, (xc * row_scale).to(gemm))
+                grad_x[rows] = (_onednn_linear(dlogits, w_t) if onednn else dlogits @ w) * row_scale
+                if grad_w.held_rows >= plan.weight_grad_rows or start + plan.chunk_rows >= x.size(0):
+                    grad_w.flush()
         if needs_grad:
             ctx.save_for_backward(grad_x, grad_w.total().to(weight.dtype))
         return loss / n_scored
@@ -245,41 +268,40 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_x, grad_weight = ctx.saved_tensors  # already d loss / d input; the loss is linear in them
-        return grad_x * grad_loss, grad_weight * grad_loss, None, None, None
+        return grad_x * grad_loss, grad_weight * grad_loss, None, None, None, None
 
 
 class WeightGradient:
     """The lm_head's weight gradient, the sum over chunks of dlogits.T @ x_scaled, as one GEMM per
     plan.weight_grad_rows rows.
 
-    hold() keeps a chunk's dlogits in the GEMM dtype (when chunks are grouped, cast straight into a
-    (rows, V) buffer) and its scaled x; flush() runs (V, rows) @ (rows, C) over what is held. The
+    hold() keeps a chunk's dlogits in the GEMM dtype (when chunks are grouped, the caller casts them
+    straight into slot(n) of one (rows, V) buffer) and its scaled x; flush() runs (V, rows) @ (rows, C) over what is held. The
     first flush's product is the sum itself, so a single flush needs no zeroed (V, C) buffer and no
     add. oneDNN computes a @ b.T, so it sums the transpose, (C, V) = x_scaled.T @ dlogits.
     """
 
-    def __init__(self, plan: HeadPlan, rows: int, onednn: bool, accumulate: torch.dtype):
+    def __init__(self, plan: HeadPlan, rows: int, onednn: bool, accumulate: torch.dtype,
+                 like: torch.Tensor):
         self.grouped_rows = min(plan.weight_grad_rows, rows) if plan.weight_grad_rows > plan.chunk_rows else 0
         self.onednn, self.accumulate = onednn, accumulate
         self.sum: torch.Tensor | None = None  # (V, C), or (C, V) for oneDNN
-        self.buffer: torch.Tensor | None = None  # (grouped_rows, V), allocated on the first chunk
+        # (grouped_rows, V) in the GEMM dtype (like's dtype and device), for grouped chunks' dlogits
+        self.buffer = like.new_empty(self.grouped_rows, like.size(1)) if self.grouped_rows else None
         self.dlogits: list[torch.Tensor] = []  # ungrouped: the one held chunk's dlogits
         self.xs: list[torch.Tensor] = []  # the held chunks' (n, C) x_scaled
         self.held_rows = 0
 
-    def hold(self, dlogits: torch.Tensor, xs: torch.Tensor, gemm: torch.dtype) -> torch.Tensor:
-        """Keep a chunk ((n, V) dlogits, (n, C) x_scaled); returns its dlogits in the GEMM dtype."""
-        n = dlogits.size(0)
-        if self.grouped_rows:
-            if self.buffer is None:
-                self.buffer = torch.empty(self.grouped_rows, dlogits.size(1), dtype=gemm, device=dlogits.device)
-            dlogits = self.buffer[self.held_rows: self.held_rows + n].copy_(dlogits)
-        else:
-            dlogits = dlogits.to(gemm)  # one cast per chunk (a no-op in float32)
+    def slot(self, n: int) -> torch.Tensor:
+        """Where the next grouped chunk's (n, V) dlogits go, in the GEMM dtype."""
+        return self.buffer[self.held_rows: self.held_rows + n]
+
+    def hold(self, dlogits: torch.Tensor, xs: torch.Tensor) -> None:
+        """Keep a chunk: (n, V) dlogits in the GEMM dtype (in slot(n) when grouped), (n, C) x_scaled."""
+        if not self.grouped_rows:
             self.dlogits = [dlogits]
-        self.held_rows += n
+        self.held_rows += dlogits.size(0)
         self.xs.append(xs)
-        return dlogits
 
     def flush(self) -> None:
         dlogits = self.buffer[: self.held_rows] if self.grouped_rows else self.dlogits[0]  # (rows, V)
@@ -287,7 +309,7 @@ class WeightGradient:
         self.held_rows, self.xs, self.dlogits = 0, [], []
         if self.onednn:
             product = _onednn_linear(xs.t().contiguous(), dlogits.t())  # (C, rows) @ (rows, V)
-        elif self.sum is not None and dlogits.dtype == self.sum.dtype:
+        elif self.sum is not None and self.sum.dtype == dlogits.dtype == self.accumulate:
             self.sum.addmm_(dlogits.t(), xs)  # float32: in place, no (V, C) temporary
             return
         else:
@@ -372,8 +394,8 @@ class GPT(nn.Module):
             if last_logits_only:
                 x = x[:, -1:, :]
             return self.lm_head(x)[..., : self.config.vocab_size]  # (B, T, V): padding columns never leak
-        return lm_head_cross_entropy(x.reshape(B * T, -1), self.lm_head.weight[: self.config.vocab_size],
-                                     targets.reshape(B * T), plan=self.lm_head_plan)
+        return lm_head_cross_entropy(x.reshape(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
+                                     plan=self.lm_head_plan, vocab_size=self.config.vocab_size)
 
     @staticmethod
     def attention_mask_for(attention_mask, past, T: int, device, keys: int | None = None) -> torch.Tensor | None:

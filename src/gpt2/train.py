@@ -675,7 +675,8 @@ def choose_lm_head(cfg: TrainConfig, model: GPT, info: DistInfo, ckpt: checkpoin
     from gpt2.head_tuning import choose_head_plan
     if info.is_main:
         c = model.config
-        plan, why = choose_head_plan(cfg.batch_size * cfg.seq_len, c.n_embd, c.vocab_size, cfg.dtype, info.device)
+        plan, why = choose_head_plan(cfg.batch_size * cfg.seq_len, c.n_embd, c.vocab_size, cfg.dtype, info.device,
+                                     padded_vocab_size=model.padded_vocab_size)
     spec, why = broadcast_object((str(plan), why) if info.is_main else None, info)
     return HeadPlan.parse(spec), why
 
