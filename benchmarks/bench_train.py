@@ -2,6 +2,7 @@
 
     python benchmarks/bench_train.py                       # GPT-2 124M, B=4, T=256, CPU, fp32 and bf16 autocast
     python benchmarks/bench_train.py --rounds 5 --batch-size 4 --seq-len 256 --threads 2
+    python benchmarks/bench_train.py --dtypes bfloat16 --rounds 1 --profile   # the top ops of one step
 
 Each step: forward with targets, backward, gradient clipping to 1.0, AdamW (lr 6e-4, betas (0.9, 0.95),
 weight decay 0.1, fused where available: the same optimizer for both), zero_grad. Both models start
@@ -48,6 +49,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--profile", action="store_true",
+                    help="afterwards, torch.profiler's top ops (self CPU time) of one step of ours per dtype")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -112,6 +115,13 @@ def main():
     for k, v in tok_s.items():
         print(f"{k:32s} {v:9.1f} {v / base if base else float('nan'):10.2f}x")
     print("load average at the end:", os.getloadavg())
+    if args.profile:
+        from torch.profiler import profile
+        for name, variant in variants.items():
+            if name.startswith("ours") and "default head" not in name:
+                with profile() as prof:
+                    step(*variant)
+                print(f"\n{name}: one step\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
 if __name__ == "__main__":

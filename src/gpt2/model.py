@@ -162,7 +162,8 @@ class HeadPlan:
         """'LIBRARY:CHUNK_ROWS:WEIGHT_GRAD_ROWS', as str() writes it (train_config.json, --lm-head)."""
         parts = spec.split(":")
         if len(parts) != 3 or not (parts[1].isdigit() and parts[2].isdigit()):
-            raise ConfigError(f"lm_head plan {spec!r}: expected LIBRARY:CHUNK_ROWS:WEIGHT_GRAD_ROWS, e.g. onednn:64:256")
+            raise ConfigError(f"lm_head plan {spec!r}: expected LIBRARY:CHUNK_ROWS:WEIGHT_GRAD_ROWS, "
+                              "e.g. onednn:64:256")
         return cls(parts[0], int(parts[1]), int(parts[2]))
 
     @classmethod
@@ -276,9 +277,9 @@ class WeightGradient:
     plan.weight_grad_rows rows.
 
     hold() keeps a chunk's dlogits in the GEMM dtype (when chunks are grouped, the caller casts them
-    straight into slot(n) of one (rows, V) buffer) and its scaled x; flush() runs (V, rows) @ (rows, C) over what is held. The
-    first flush's product is the sum itself, so a single flush needs no zeroed (V, C) buffer and no
-    add. oneDNN computes a @ b.T, so it sums the transpose, (C, V) = x_scaled.T @ dlogits.
+    straight into slot(n) of one (rows, V) buffer) and its scaled x; flush() runs (V, rows) @ (rows, C)
+    over what is held. The first flush's product is the sum itself, so a single flush needs no zeroed
+    (V, C) buffer and no add. oneDNN computes a @ b.T, so it sums the transpose, (C, V) = x_scaled.T @ dlogits.
     """
 
     def __init__(self, plan: HeadPlan, rows: int, onednn: bool, accumulate: torch.dtype,
