@@ -2,16 +2,18 @@
 
     python benchmarks/bench_train.py                       # GPT-2 124M, B=4, T=256, CPU, fp32 and bf16 autocast
     python benchmarks/bench_train.py --rounds 5 --batch-size 4 --seq-len 256 --threads 2
+    python benchmarks/bench_train.py --dtypes bfloat16 --rounds 1 --profile   # the top ops of one step
 
 Each step: forward with targets, backward, gradient clipping to 1.0, AdamW (lr 6e-4, betas (0.9, 0.95),
 weight decay 0.1, fused where available: the same optimizer for both), zero_grad. Both models start
 from the same random weights (ours, converted with save_pretrained), run with dropout 0 (the 124M
-recipe's) and train on the same random batch. The four variants (ours/HF x float32/bf16 autocast)
-take turns within every round, so a change in machine load hits them alike; the report is the median
-step time per variant over the rounds (after one warm-up step each) and the ratios to HF float32.
-"ours" pads the vocabulary to 50,304 rows (GPT(config, vocab_multiple=64), the CUDA training default);
-"ours vocab1" keeps 50,257 (the CPU training default). Our loss is the fused, chunked lm_head +
-cross-entropy (model.lm_head_cross_entropy); Transformers materializes the B*T*V logits.
+recipe's) and train on the same random batch. The variants (ours with the measured lm_head plan,
+ours with HeadPlan.default, HF; each in float32 and bf16 autocast) take turns within every round, so a
+change in machine load hits them alike; the report is the median step time per variant over the
+rounds (after one warm-up step each) and the ratios to HF float32. "ours" pads the vocabulary to
+50,304 rows (the training default). Our loss is the fused, chunked lm_head + cross-entropy
+(model.lm_head_cross_entropy) with the plan `gpt2 train` would measure here (head_tuning.py, cached);
+Transformers materializes the B*T*V logits.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ import time
 import torch
 
 from gpt2 import GPT, GPTConfig
+from gpt2.head_tuning import choose_head_plan
+from gpt2.kernels import cpu_features, cpu_model, memory_bandwidth_gbs
+from gpt2.model import HeadPlan
 
 
 def make_optimizer(model):
@@ -44,6 +49,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--profile", action="store_true",
+                    help="afterwards, torch.profiler's top ops (self CPU time) of one step of ours per dtype")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -56,25 +63,30 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         ours.save_pretrained(tmp)
         hf = transformers.GPT2LMHeadModel.from_pretrained(tmp, attn_implementation="sdpa").train()
-        ours_vm1 = GPT.from_pretrained(tmp, vocab_multiple=1).train()  # the same weights, unpadded vocabulary
     B, T = args.batch_size, args.seq_len
     x = torch.randint(0, config.vocab_size, (B, T))
     y = torch.randint(0, config.vocab_size, (B, T))
 
-    def ours_loss():
-        return ours(x, targets=y)
-
-    def ours_vm1_loss():
-        return ours_vm1(x, targets=y)
+    def ours_loss(plan):
+        def loss():
+            ours.lm_head_plan = plan
+            return ours(x, targets=y)
+        return loss
 
     def hf_loss():
         # x, y are already shifted: compute the same mean cross-entropy from HF's logits
         logits = hf(input_ids=x).logits
         return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
 
+    print(f"CPU {cpu_model()} ({', '.join(cpu_features()) or 'no bf16/VNNI/AMX flags'}), "
+          f"memory {memory_bandwidth_gbs():.1f} GB/s")
     variants = {}
     for dtype in args.dtypes.split(","):
-        for name, model, loss_fn in (("ours", ours, ours_loss), ("ours vocab1", ours_vm1, ours_vm1_loss),
+        plan, why = choose_head_plan(B * T, config.n_embd, config.vocab_size, dtype,
+                                     padded_vocab_size=ours.padded_vocab_size)
+        print(f"lm_head {dtype}: {plan} ({why})")
+        for name, model, loss_fn in ((f"ours {plan}", ours, ours_loss(plan)),
+                                     ("ours default head", ours, ours_loss(HeadPlan.default(config.n_embd))),
                                      ("hf", hf, hf_loss)):
             variants[f"{name} {dtype}"] = (model, make_optimizer(model), loss_fn, getattr(torch, dtype))
 
@@ -99,10 +111,17 @@ def main():
         print(f"round {r + 1}: " + ", ".join(f"{k} {B * T / times[k][-1]:.0f}" for k in variants) + " tok/s")
     tok_s = {k: B * T / statistics.median(v) for k, v in times.items()}
     base = tok_s.get("hf float32")
-    print(f"\n{'variant':24s} {'tokens/s':>9s} {'vs HF fp32':>11s}")
+    print(f"\n{'variant':32s} {'tokens/s':>9s} {'vs HF fp32':>11s}")
     for k, v in tok_s.items():
-        print(f"{k:24s} {v:9.1f} {v / base if base else float('nan'):10.2f}x")
+        print(f"{k:32s} {v:9.1f} {v / base if base else float('nan'):10.2f}x")
     print("load average at the end:", os.getloadavg())
+    if args.profile:
+        from torch.profiler import profile
+        for name, variant in variants.items():
+            if name.startswith("ours") and "default head" not in name:
+                with profile() as prof:
+                    step(*variant)
+                print(f"\n{name}: one step\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
 if __name__ == "__main__":

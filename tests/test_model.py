@@ -251,7 +251,7 @@ def test_chunked_head_loss_equals_plain_cross_entropy(chunk_rows):
     targets[7:14] = -100  # with chunk_rows 7 one whole chunk is ignored
     reference = F.cross_entropy(x @ weight.t(), targets, ignore_index=-100)
     grads = torch.autograd.grad(2.5 * reference, (x, weight))
-    loss = lm_head_cross_entropy(x, weight, targets, chunk_rows=chunk_rows)
+    loss = lm_head_cross_entropy(x, weight, targets, chunk_rows)  # an int plan: rows per chunk
     ours = torch.autograd.grad(2.5 * loss, (x, weight))
     assert loss.dtype == torch.float64 and abs(loss.item() - reference.item()) < 1e-12
     for a, b in zip(ours, grads):

@@ -492,6 +492,33 @@ def test_dtype_auto_measures_records_and_a_resumed_run_keeps_it(corpus, tmp_path
     assert f"dtype auto -> {other} (cache" in caplog.text
 
 
+def test_lm_head_auto_measures_records_and_a_resumed_run_keeps_it(corpus, tmp_path, training_cache, caplog):
+    """The fused loss's plan (head_tuning.py): measured for this micro-batch, shown in the first log line,
+    recorded in train_config.json; a resumed run keeps it even when the cache now says otherwise."""
+    head_cache = training_cache.with_name("lm_head.json")
+    cfg = tiny_config(corpus, tmp_path / "auto", max_steps=10)
+    with caplog.at_level(logging.INFO, logger="gpt2.train"):
+        train(cfg, GPTConfig(**TINY_MODEL))
+    cached = json.loads(head_cache.read_text())["entries"]
+    (key, entry), = cached.items()
+    assert json.loads(key)["rows"] == cfg.batch_size * cfg.seq_len and json.loads(key)["dtype"] == "float32"
+    chosen = entry["plan"]
+    assert f"lm_head {chosen} (measured" in caplog.text.split("model: ", 1)[1].splitlines()[0]
+    assert json.loads((tmp_path / "auto" / "train_config.json").read_text())["train"]["lm_head"] == chosen
+    other = "aten:3:6"
+    head_cache.write_text(json.dumps({"version": CACHE_VERSION, "entries": {key: {**entry, "plan": other}}}))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="gpt2.train"):
+        train(dataclasses.replace(cfg, max_steps=15, resume=True), GPTConfig(**TINY_MODEL))
+    assert f"lm_head {chosen} (the resumed checkpoint's)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="gpt2.train"):  # a new run reads the edited cache
+        train(dataclasses.replace(cfg, out=str(tmp_path / "auto2")), GPTConfig(**TINY_MODEL))
+    assert f"lm_head {other} (cache" in caplog.text
+    with pytest.raises(ConfigError, match="lm_head plan"):
+        TrainConfig(lm_head="onednn:64")
+
+
 def test_bf16_reaches_the_float32_loss_per_token(corpus, tmp_path):
     """Same tokens, same steps: bf16 autocast's val loss is within 1% of float32's."""
     fp32 = tiny_config(corpus, tmp_path / "fp32", max_steps=60, eval_interval=60, checkpoint_interval=60)

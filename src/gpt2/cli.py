@@ -307,6 +307,8 @@ def add_train_parser(sub):
     g.add_argument("--device", choices=["cpu", "cuda"])
     g.add_argument("--dtype", choices=["auto"] + list(DTYPES),
                    help="autocast dtype (weights stay float32); auto (default): the faster here, measured once")
+    g.add_argument("--lm-head", metavar="PLAN", help="the fused loss's kernels, LIBRARY:CHUNK_ROWS:WEIGHT_GRAD_ROWS "
+                                                     "(e.g. onednn:64:256); auto (default): the fastest here, measured once")
     g.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
     g.add_argument("--activation-checkpointing", action="store_true", default=None)
     g.add_argument("--parallel", choices=["ddp", "fsdp"], help="under torchrun: DDP (default) or FSDP2")

@@ -60,7 +60,7 @@ from gpt2.data import DataLoader
 from gpt2.distributed import (DistInfo, all_reduce_mean, barrier, broadcast_object, full_model, full_optimizer_state,
                               gather_object, grad_sync, init_distributed, load_optimizer_state, teardown, wrap_model)
 from gpt2.errors import CheckpointError, ConfigError, DataError, GPT2Error
-from gpt2.model import GPT
+from gpt2.model import GPT, HeadPlan
 from gpt2.weights import load_model, parse_dtype
 
 log = logging.getLogger(__name__)  # rank 0 only; train() shows it on stdout when logging is not configured
@@ -124,6 +124,8 @@ class TrainConfig:
     device: str = "cpu"
     dtype: str = "auto"                  # autocast dtype: float32 (none), bfloat16, float16 (CUDA, with GradScaler);
                                          # auto: the fastest here, measured once (choose_dtype)
+    lm_head: str = "auto"                # the fused loss's plan, LIBRARY:CHUNK_ROWS:WEIGHT_GRAD_ROWS (model.HeadPlan);
+                                         # auto: the fastest here, measured once (head_tuning.py)
     compile: bool = False
     activation_checkpointing: bool = False
     parallel: str = "ddp"                # under torchrun: ddp or fsdp (FSDP2 fully_shard)
@@ -135,6 +137,8 @@ class TrainConfig:
             raise ConfigError(f"schedule {self.schedule!r} is not supported; choose one of {', '.join(SCHEDULES)}")
         if self.dtype != "auto":
             parse_dtype(self.dtype)  # a ConfigError naming the supported dtypes
+        if self.lm_head != "auto":
+            HeadPlan.parse(self.lm_head)  # a ConfigError naming the expected form
         if self.dtype == "float16" and not self.device.startswith("cuda"):
             raise ConfigError("float16 training needs CUDA (a GradScaler); use --dtype bfloat16 on CPU")
         for name in ("batch_size", "seq_len", "max_steps", "eval_interval", "eval_batches", "checkpoint_interval",
@@ -178,9 +182,10 @@ PRESETS: dict[str, dict] = {
     # batches (1K tokens/step: B=8 beats 4 and 16), lr 1e-3 (2e-3 is worse), wte/wpe at 10x the lr,
     # beta2 0.99, and warmup-stable-decay with the last 40% decaying to 0 exactly at the time budget
     # (0.05 better than cosine). dtype auto: bf16 where a CPU's bf16 GEMMs win (an AMD EPYC: 5,160 vs
-    # 3,300 tok/s, val 4.86 vs 5.08). No dropout: the run sees under one epoch. Context 128 = seq_len, so
-    # no position embedding goes untrained (prompt + generated tokens <= 128). One eval, at the end, on
-    # 32K val tokens: a mid-run eval would spend the budget's seconds on forward passes.
+    # 3,300 tok/s, val 4.86 vs 5.08); with lm_head auto (the fused loss's measured plan) 5,790 tok/s,
+    # val 4.83. No dropout: the run sees under one epoch. Context 128 = seq_len, so no position
+    # embedding goes untrained (prompt + generated tokens <= 128). One eval, at the end, on 32K val
+    # tokens: a mid-run eval would spend the budget's seconds on forward passes.
     "quickstart": dict(
         model=dict(n_layer=4, n_head=4, n_embd=96, n_positions=128, embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0),
         batch_size=8, seq_len=128, lr=1e-3, min_lr=0.0, warmup_steps=10, schedule="wsd", decay_fraction=0.4,
@@ -611,6 +616,7 @@ class Run:
     flops_per_token: float
     peak_flops: float               # all ranks together
     trackers: Trackers              # wandb / TensorBoard (rank 0; empty when neither is asked for)
+    lm_head_why: str                # how cfg.lm_head was chosen (the first log line shows it)
 
     @property
     def sharded(self) -> bool:
@@ -655,6 +661,25 @@ def choose_dtype(cfg: TrainConfig, model: GPT, info: DistInfo, ckpt: checkpoint.
     result, source = broadcast_object((result, source) if info.is_main else None, info)
     times = ", ".join(f"{d} {t * 1e3:.0f} ms" for d, t in result["step_s"].items())
     return result["dtype"], f"{source}: one forward + backward took {times}"
+
+
+def choose_lm_head(cfg: TrainConfig, model: GPT, info: DistInfo, ckpt: checkpoint.Checkpoint | None
+                   ) -> tuple[HeadPlan, str]:
+    """The fused loss's plan (cfg.lm_head), or for "auto": (the fastest plan for this micro-batch and
+    cfg.dtype on this machine, why), measured once (head_tuning.py). A resumed run keeps its
+    checkpoint's plan, so that it continues bit for bit."""
+    if cfg.lm_head != "auto":
+        return HeadPlan.parse(cfg.lm_head), "as configured"
+    saved = ckpt.meta.get("train_config", {}).get("lm_head") if ckpt is not None else None
+    if saved and saved != "auto":
+        return HeadPlan.parse(saved), "the resumed checkpoint's"
+    from gpt2.head_tuning import choose_head_plan
+    if info.is_main:
+        c = model.config
+        plan, why = choose_head_plan(cfg.batch_size * cfg.seq_len, c.n_embd, c.vocab_size, cfg.dtype, info.device,
+                                     padded_vocab_size=model.padded_vocab_size)
+    spec, why = broadcast_object((str(plan), why) if info.is_main else None, info)
+    return HeadPlan.parse(spec), why
 
 
 def _time_training_dtypes(model: GPT, cfg: TrainConfig) -> dict:
@@ -746,6 +771,9 @@ def build_run(cfg: TrainConfig, model_config: GPTConfig | None, info: DistInfo,
     if cfg.dtype == "auto":
         log.info(f"dtype auto -> {dtype} ({why})")
         cfg = dataclasses.replace(cfg, dtype=dtype)
+    plan, lm_head_why = choose_lm_head(cfg, model, info, ckpt)
+    cfg = dataclasses.replace(cfg, lm_head=str(plan))
+    model.lm_head_plan = plan
     if ckpt is not None:
         _check_resume(ckpt, cfg, model, info.world_size)
         saved = load_model(ckpt.path, dtype=torch.float32, vocab_multiple=cfg.vocab_multiple)
@@ -764,7 +792,7 @@ def build_run(cfg: TrainConfig, model_config: GPTConfig | None, info: DistInfo,
                val_loader=val_loader, grad_accum=grad_accum, tokens_per_step=tokens_per_micro * grad_accum,
                flops_per_token=flops_per_token(raw_model, cfg.seq_len),
                peak_flops=peak_flops(cfg, info.device) * info.world_size,
-               trackers=Trackers(cfg, info, raw_model.config.to_dict()))
+               trackers=Trackers(cfg, info, raw_model.config.to_dict()), lm_head_why=lm_head_why)
 
 
 def start_state(run: Run, ckpt: checkpoint.Checkpoint | None) -> LoopState:
@@ -942,7 +970,8 @@ def _train(cfg: TrainConfig, model_config: GPTConfig | None, info: DistInfo) -> 
     c = run.raw_model.config
     log.info(f"model: {run.raw_model.num_parameters():,} parameters ({c.n_layer} layers, width {c.n_embd}); "
              f"{run.tokens_per_step:,} tokens/step = {cfg.batch_size} x {cfg.seq_len} x {info.world_size} rank(s) "
-             f"x {run.grad_accum} accumulation; dtype {cfg.dtype}; device {info.device}")
+             f"x {run.grad_accum} accumulation; dtype {cfg.dtype}; lm_head {cfg.lm_head} ({run.lm_head_why}); "
+             f"device {info.device}")
 
     last_path = None
     done = state.step >= cfg.max_steps or run.out_of_time(state)
