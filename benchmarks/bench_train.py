@@ -12,7 +12,7 @@ ours with HeadPlan.default, HF; each in float32 and bf16 autocast) take turns wi
 change in machine load hits them alike; the report is the median step time per variant over the
 rounds (after one warm-up step each) and the ratios to HF float32. "ours" pads the vocabulary to
 50,304 rows (the training default). Our loss is the fused, chunked lm_head + cross-entropy
-(model.lm_head_cross_entropy) with the plan `gpt2 train` would measure here (head_tuning.py, cached);
+(lm_head.lm_head_cross_entropy) with the plan `gpt2 train` would measure here (lm_head.py, cached);
 Transformers materializes the B*T*V logits.
 """
 
@@ -27,9 +27,9 @@ import time
 import torch
 
 from gpt2 import GPT, GPTConfig
-from gpt2.head_tuning import choose_head_plan
+from gpt2.lm_head import choose_head_plan
 from gpt2.kernels import cpu_features, cpu_model, memory_bandwidth_gbs
-from gpt2.model import HeadPlan
+from gpt2.lm_head import HeadPlan
 
 
 def make_optimizer(model):

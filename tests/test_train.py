@@ -493,7 +493,7 @@ def test_dtype_auto_measures_records_and_a_resumed_run_keeps_it(corpus, tmp_path
 
 
 def test_lm_head_auto_measures_records_and_a_resumed_run_keeps_it(corpus, tmp_path, training_cache, caplog):
-    """The fused loss's plan (head_tuning.py): measured for this micro-batch, shown in the first log line,
+    """The fused loss's plan (lm_head.py): measured for this micro-batch, shown in the first log line,
     recorded in train_config.json; a resumed run keeps it even when the cache now says otherwise."""
     head_cache = training_cache.with_name("lm_head.json")
     cfg = tiny_config(corpus, tmp_path / "auto", max_steps=10)

@@ -342,7 +342,7 @@ def _head_ops(sheet: _OpList) -> None:
     sheet.add("ln_f", None, "layernorm", "Z = (x - mean) / sqrt(var + eps) * g + b", [x], x,
               LAYERNORM_FLOPS * B * T * C, module="transformer.ln_f", params_of="transformer.ln_f")
     if ax.mode == "training":
-        # model.lm_head_cross_entropy: the (B*T, V) logits exist one chunk of rows at a time, and the
+        # lm_head.lm_head_cross_entropy: the (B*T, V) logits exist one chunk of rows at a time, and the
         # head's gradients are computed in the same pass (backward work, not counted here).
         n = ("B*T tokens", B * T)
         sheet.add("lm_head + loss", None, "loss", "L = mean -log softmax(Z W_te^T)[target]", [[n, ax.d], [n]], [],

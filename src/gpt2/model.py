@@ -3,7 +3,7 @@
     from gpt2 import GPT, GPTConfig
     model = GPT(GPTConfig.preset("gpt2"))            # random init
     logits = model(idx)                              # (B, T) -> (B, T, vocab_size)
-    loss = model(idx, targets=targets)               # mean cross-entropy; targets == -100 are ignored
+    loss = model(idx, targets=targets)               # mean cross-entropy (-100 ignored), lm_head fused: lm_head.py
 
 It computes what the maintained Transformers GPT2LMHeadModel computes: pre-LN blocks, tanh-GELU,
 a final ln_f and an lm_head tied to wte. Parameter names are GPT-2's own (wte, wpe, h.{i}.ln_1,
@@ -22,17 +22,16 @@ distributed.py wraps the model from outside.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from gpt2.config import ACTIVATIONS, GPTConfig
-from gpt2.errors import ConfigError, ContextLengthError
+from gpt2.errors import ContextLengthError
 from gpt2.kv_cache import KVCache
+from gpt2.lm_head import HeadPlan, lm_head_cross_entropy
 
 
 def new_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -131,200 +130,6 @@ class Block(nn.Module):
         x = self.resid_mid(x + self.attn(self.ln_1(x), cache, mask))
         x = x + self.mlp(self.ln_2(x))
         return x
-
-
-@dataclass(frozen=True)
-class HeadPlan:
-    """How lm_head_cross_entropy runs its three GEMMs; every plan computes the same loss and gradients.
-
-    Which plan is fastest depends on the CPU (on an AMD EPYC oneDNN's float32 GEMMs run 2-3x MKL's at
-    these shapes), so training measures them once per machine and shape (head_tuning.py).
-    """
-    library: str = "aten"      # aten: torch.mm (MKL for float32, oneDNN for bf16); onednn: oneDNN's linear for all
-    chunk_rows: int = 64       # rows of logits computed at a time (a chunk's (rows, V) logits should stay in cache)
-    weight_grad_rows: int = 64  # rows per weight-gradient GEMM, a multiple of chunk_rows: (V, rows) @ (rows, C)
-                                # has a short inner dimension, so fewer, longer GEMMs can win
-
-    LIBRARIES = ("aten", "onednn")
-
-    def __post_init__(self):
-        if self.library not in self.LIBRARIES:
-            raise ConfigError(f"lm_head plan: library {self.library!r} is not one of {', '.join(self.LIBRARIES)}")
-        if self.chunk_rows < 1 or self.weight_grad_rows < self.chunk_rows or self.weight_grad_rows % self.chunk_rows:
-            raise ConfigError(f"lm_head plan: weight_grad_rows {self.weight_grad_rows} must be a positive multiple "
-                              f"of chunk_rows {self.chunk_rows}")
-
-    def __str__(self) -> str:
-        return f"{self.library}:{self.chunk_rows}:{self.weight_grad_rows}"
-
-    @classmethod
-    def parse(cls, spec: str) -> "HeadPlan":
-        """'LIBRARY:CHUNK_ROWS:WEIGHT_GRAD_ROWS', as str() writes it (train_config.json, --lm-head)."""
-        parts = spec.split(":")
-        if len(parts) != 3 or not (parts[1].isdigit() and parts[2].isdigit()):
-            raise ConfigError(f"lm_head plan {spec!r}: expected LIBRARY:CHUNK_ROWS:WEIGHT_GRAD_ROWS, "
-                              "e.g. onednn:64:256")
-        return cls(parts[0], int(parts[1]), int(parts[2]))
-
-    @classmethod
-    def default(cls, n_embd: int) -> "HeadPlan":
-        # Fastest with torch.mm on an Intel Xeon (V=50257, N=1024): 64 rows at C=128, 128 at C=256.
-        rows = max(64, n_embd // 2)
-        return cls("aten", rows, rows)
-
-
-def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-def _onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T through oneDNN's matmul (float32 stays float32: no reduced-precision mode)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-
-
-def lm_head_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                          plan: HeadPlan | int | None = None, vocab_size: int | None = None) -> torch.Tensor:
-    """mean cross_entropy(x @ weight.T, targets) (float32, targets == -100 ignored), chunk by chunk.
-
-    x (N, C) is ln_f's output, weight (V, C) the lm_head. Materializing all (N, V) logits
-    (N=1024, V=50257: 206 MB in float32, written and read several times by softmax and its
-    backward) costs more than the small models' blocks; chunks of rows stay in cache. When a
-    gradient is needed it is computed in the same pass (softmax - one_hot is the gradient of the
-    logits), so backward only scales it: no recomputation and no more FLOPs than the plain head.
-    Held from forward to backward: grad_x (N, C) and grad_weight (V, C), far less than the logits.
-    plan: a HeadPlan (head_tuning.py measures one), an int (rows per chunk, torch.mm), or None
-    (HeadPlan.default). vocab_size: score only the first vocab_size of weight's rows (a padded
-    vocabulary); the padding columns' logits are -inf, so they add exactly 0 to the softmax and their
-    rows' gradient is exactly 0. Slicing the weight instead would cost a zeroed (V_padded, C) copy
-    of its gradient in backward (48 ms in GPT-2 124M's step).
-    """
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if plan is None:
-        plan = HeadPlan.default(x.size(1))
-    elif isinstance(plan, int):
-        plan = HeadPlan("aten", plan, plan)
-    return _ChunkedLMHeadLoss.apply(x, weight, targets, plan, vocab_size or weight.size(0), needs_grad)
-
-
-class _ChunkedLMHeadLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, targets, plan: HeadPlan, vocab_size: int, needs_grad: bool):
-        # GEMMs run in the autocast dtype if autocast is on, else in the weight's; the weight is cast
-        # once here, not once per chunk. Softmax, loss and the weight gradient accumulate in float32.
-        device = x.device.type
-        autocast = device in ("cpu", "cuda") and torch.is_autocast_enabled(device)
-        gemm = torch.get_autocast_dtype(device) if autocast else weight.dtype
-        accumulate = torch.promote_types(gemm, torch.float32)  # float32, or float64 for float64 inputs
-        onednn = (plan.library == "onednn" and device == "cpu" and gemm in (torch.float32, torch.bfloat16)
-                  and onednn_available())  # oneDNN has no float64: the plan then falls back to torch.mm
-        w = weight.to(gemm)  # (V, C)
-        # oneDNN computes a @ b.T: grad_x = dlogits @ w needs w transposed, copied once for all chunks
-        w_t = w.t().contiguous() if onednn and needs_grad else None  # (C, V)
-        n_scored = (targets != -100).sum().clamp(min=1)  # the mean is over the scored tokens
-        loss = torch.zeros((), dtype=accumulate, device=x.device)
-        grad_x = torch.empty_like(x) if needs_grad else None
-        # Every chunk reuses the same (chunk_rows, V) buffers: a fresh tensor above glibc's 32 MB mmap
-        # threshold is new pages each time, and their first-touch faults cost more than log_softmax
-        # (384 x 50257 float32: 28 ms fresh, 5 ms reused).
-        chunk = min(plan.chunk_rows, x.size(0))
-        logits_buf = torch.empty(chunk, w.size(0), dtype=gemm, device=x.device)  # logits, then bf16 dlogits
-        scores_buf = torch.empty_like(logits_buf, dtype=accumulate) if gemm != accumulate else logits_buf
-        log_probs_buf = torch.empty_like(scores_buf)  # log_softmax, then softmax - one_hot in place
-        grad_w = WeightGradient(plan, x.size(0), onednn, accumulate, logits_buf) if needs_grad else None
-        # every dtype below is explicit: autocast would only add dispatch work
-        with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
-            for start in range(0, x.size(0), plan.chunk_rows):
-                rows = slice(start, start + plan.chunk_rows)
-                xc, tc = x[rows].to(gemm), targets[rows]  # (n, C), (n,)
-                n = xc.size(0)
-                scored = tc != -100
-                picked = tc.clamp(min=0).unsqueeze(1)  # (n, 1); ignored rows pick 0 and are masked out
-                # log_softmax works row by row (a 50257-wide row fits in L2); every extra pass over the
-                # (n, V) chunk costs memory traffic, so the 1/n_scored scaling goes on the small operands.
-                if onednn:
-                    logits = _onednn_linear(xc, w)  # (n, V); oneDNN has no out=
-                else:
-                    logits = torch.mm(xc, w.t(), out=logits_buf[:n])
-                scores = scores_buf[:n].copy_(logits) if gemm != accumulate else logits  # to float32
-                scores[:, vocab_size:] = -math.inf  # padding columns (none unless the vocabulary is padded)
-                log_probs = torch.ops.aten._log_softmax.out(scores, -1, False, out=log_probs_buf[:n])
-                loss -= torch.where(scored, log_probs.gather(1, picked).squeeze(1), 0.0).sum()
-                if not needs_grad:
-                    continue
-                dlogits = log_probs.exp_()  # softmax, in place
-                dlogits.scatter_add_(1, picked, -scored.to(accumulate).unsqueeze(1))  # minus one_hot(target)
-                row_scale = (scored.to(accumulate) / n_scored).unsqueeze(1)  # (n, 1); 0 for ignored rows
-                # The GEMM-dtype copy goes to the weight gradient's buffer when chunks are grouped, else
-                # over the logits (no longer needed); in float32 ungrouped it is dlogits itself.
-                held = grad_w.slot(n) if grad_w.grouped_rows else (logits if gemm != accumulate else None)
-                dlogits = held.copy_(dlogits) if held is not None else dlogits
-                grad_w.hold(dlogits, (xc * row_scale).to(gemm))
-                grad_x[rows] = (_onednn_linear(dlogits, w_t) if onednn else dlogits @ w) * row_scale
-                if grad_w.held_rows >= plan.weight_grad_rows or start + plan.chunk_rows >= x.size(0):
-                    grad_w.flush()
-        if needs_grad:
-            ctx.save_for_backward(grad_x, grad_w.total().to(weight.dtype))
-        return loss / n_scored
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad_x, grad_weight = ctx.saved_tensors  # already d loss / d input; the loss is linear in them
-        return grad_x * grad_loss, grad_weight * grad_loss, None, None, None, None
-
-
-class WeightGradient:
-    """The lm_head's weight gradient, the sum over chunks of dlogits.T @ x_scaled, as one GEMM per
-    plan.weight_grad_rows rows.
-
-    hold() keeps a chunk's dlogits in the GEMM dtype (when chunks are grouped, the caller casts them
-    straight into slot(n) of one (rows, V) buffer) and its scaled x; flush() runs (V, rows) @ (rows, C)
-    over what is held. The first flush's product is the sum itself, so a single flush needs no zeroed
-    (V, C) buffer and no add. oneDNN computes a @ b.T, so it sums the transpose, (C, V) = x_scaled.T @ dlogits.
-    """
-
-    def __init__(self, plan: HeadPlan, rows: int, onednn: bool, accumulate: torch.dtype,
-                 like: torch.Tensor):
-        self.grouped_rows = min(plan.weight_grad_rows, rows) if plan.weight_grad_rows > plan.chunk_rows else 0
-        self.onednn, self.accumulate = onednn, accumulate
-        self.sum: torch.Tensor | None = None  # (V, C), or (C, V) for oneDNN
-        # (grouped_rows, V) in the GEMM dtype (like's dtype and device), for grouped chunks' dlogits
-        self.buffer = like.new_empty(self.grouped_rows, like.size(1)) if self.grouped_rows else None
-        self.dlogits: list[torch.Tensor] = []  # ungrouped: the one held chunk's dlogits
-        self.xs: list[torch.Tensor] = []  # the held chunks' (n, C) x_scaled
-        self.held_rows = 0
-
-    def slot(self, n: int) -> torch.Tensor:
-        """Where the next grouped chunk's (n, V) dlogits go, in the GEMM dtype."""
-        return self.buffer[self.held_rows: self.held_rows + n]
-
-    def hold(self, dlogits: torch.Tensor, xs: torch.Tensor) -> None:
-        """Keep a chunk: (n, V) dlogits in the GEMM dtype (in slot(n) when grouped), (n, C) x_scaled."""
-        if not self.grouped_rows:
-            self.dlogits = [dlogits]
-        self.held_rows += dlogits.size(0)
-        self.xs.append(xs)
-
-    def flush(self) -> None:
-        dlogits = self.buffer[: self.held_rows] if self.grouped_rows else self.dlogits[0]  # (rows, V)
-        xs = self.xs[0] if len(self.xs) == 1 else torch.cat(self.xs)  # (rows, C)
-        self.held_rows, self.xs, self.dlogits = 0, [], []
-        if self.onednn:
-            product = _onednn_linear(xs.t().contiguous(), dlogits.t())  # (C, rows) @ (rows, V)
-        elif self.sum is not None and self.sum.dtype == dlogits.dtype == self.accumulate:
-            self.sum.addmm_(dlogits.t(), xs)  # float32: in place, no (V, C) temporary
-            return
-        else:
-            product = dlogits.t() @ xs  # (V, rows) @ (rows, C); CPU PyTorch has no mixed-dtype addmm
-        if self.sum is None:
-            self.sum = product  # rounded to the GEMM dtype once per flush, like every later product
-        else:
-            self.sum = self.sum.to(self.accumulate)  # bf16 products are summed in float32
-            self.sum += product
-
-    def total(self) -> torch.Tensor:
-        """(V, C) in the accumulation dtype."""
-        total = self.sum.to(self.accumulate)
-        return total.t().contiguous() if self.onednn else total
 
 
 class GPT(nn.Module):

@@ -60,7 +60,8 @@ from gpt2.data import DataLoader
 from gpt2.distributed import (DistInfo, all_reduce_mean, barrier, broadcast_object, full_model, full_optimizer_state,
                               gather_object, grad_sync, init_distributed, load_optimizer_state, teardown, wrap_model)
 from gpt2.errors import CheckpointError, ConfigError, DataError, GPT2Error
-from gpt2.model import GPT, HeadPlan
+from gpt2.lm_head import HeadPlan
+from gpt2.model import GPT
 from gpt2.weights import load_model, parse_dtype
 
 log = logging.getLogger(__name__)  # rank 0 only; train() shows it on stdout when logging is not configured
@@ -124,8 +125,8 @@ class TrainConfig:
     device: str = "cpu"
     dtype: str = "auto"                  # autocast dtype: float32 (none), bfloat16, float16 (CUDA, with GradScaler);
                                          # auto: the fastest here, measured once (choose_dtype)
-    lm_head: str = "auto"                # the fused loss's plan, LIBRARY:CHUNK_ROWS:WEIGHT_GRAD_ROWS (model.HeadPlan);
-                                         # auto: the fastest here, measured once (head_tuning.py)
+    lm_head: str = "auto"                # the fused loss's plan, LIBRARY:CHUNK_ROWS:WEIGHT_GRAD_ROWS (lm_head.HeadPlan);
+                                         # auto: the fastest here, measured once (lm_head.py)
     compile: bool = False
     activation_checkpointing: bool = False
     parallel: str = "ddp"                # under torchrun: ddp or fsdp (FSDP2 fully_shard)
@@ -666,14 +667,14 @@ def choose_dtype(cfg: TrainConfig, model: GPT, info: DistInfo, ckpt: checkpoint.
 def choose_lm_head(cfg: TrainConfig, model: GPT, info: DistInfo, ckpt: checkpoint.Checkpoint | None
                    ) -> tuple[HeadPlan, str]:
     """The fused loss's plan (cfg.lm_head), or for "auto": (the fastest plan for this micro-batch and
-    cfg.dtype on this machine, why), measured once (head_tuning.py). A resumed run keeps its
+    cfg.dtype on this machine, why), measured once (lm_head.py). A resumed run keeps its
     checkpoint's plan, so that it continues bit for bit."""
     if cfg.lm_head != "auto":
         return HeadPlan.parse(cfg.lm_head), "as configured"
     saved = ckpt.meta.get("train_config", {}).get("lm_head") if ckpt is not None else None
     if saved and saved != "auto":
         return HeadPlan.parse(saved), "the resumed checkpoint's"
-    from gpt2.head_tuning import choose_head_plan
+    from gpt2.lm_head import choose_head_plan
     if info.is_main:
         c = model.config
         plan, why = choose_head_plan(cfg.batch_size * cfg.seq_len, c.n_embd, c.vocab_size, cfg.dtype, info.device,

@@ -1,6 +1,6 @@
-"""The fused lm_head's plans (model.HeadPlan) and their measurement (head_tuning.py).
+"""The fused lm_head's plans (lm_head.HeadPlan) and their measurement (lm_head.py).
 
-    pytest tests/test_head_tuning.py -q
+    pytest tests/test_lm_head.py -q
 
 Every plan the tuner can choose is checked against the plain head (logits -> F.cross_entropy): in
 float64 to 1e-12 (oneDNN has no float64, so there the plans differ in chunking only), in float32
@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from gpt2.errors import ConfigError
-from gpt2.head_tuning import candidate_plans, choose_head_plan, grouped_plans
+from gpt2.lm_head import candidate_plans, choose_head_plan, grouped_plans
 from gpt2.kernels import CACHE_VERSION
-from gpt2.model import HeadPlan, lm_head_cross_entropy
+from gpt2.lm_head import HeadPlan, lm_head_cross_entropy
 
 ROWS, WIDTH, VOCAB = 70, 16, 37  # 70 rows: every chunk size leaves a ragged last chunk
 
