@@ -297,10 +297,11 @@ CPU_FORMATS: list[WeightFormat] = [
                  available=lambda: _has("mkl", "_mkl_linear")() and torch.backends.mkl.is_available()),
     WeightFormat("plain", "bfloat16", lambda w, b: {"weight": w.to(torch.bfloat16)},
                  lambda w, t: t["weight"].double(), {"F.linear": _plain, "fp32 GEMM": _upcast}),
+    # Only the packed copy is kept (a plain one beside it would hold the weights twice); the plain format
+    # above offers the float32-GEMM path for CPUs whose bf16 GEMM is slow.
     WeightFormat("onednn", "bfloat16",
-                 lambda w, b: {"weight": w.to(torch.bfloat16),
-                               "onednn": torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), 1)},
-                 lambda w, t: t["weight"].double(), {"onednn": _onednn, "fp32 GEMM": _upcast},
+                 lambda w, b: {"onednn": torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), 1)},
+                 lambda w, t: w.to(torch.bfloat16).double(), {"onednn": _onednn},
                  available=_has("mkldnn", "_reorder_linear_weight")),
     WeightFormat("weight-only", "int8", _pack_int8, _int8_reference,
                  {"int8pack_mm": _int8pack, "dequant bf16": _int8_dequant(torch.bfloat16),
