@@ -235,13 +235,17 @@ def test_choice_takes_the_format_nearest_the_best_of_each_regime():
     assert choice.format == "b" and choice.paths == {"decode": "q", "batch": "p", "prefill": "p", "long": "q"}
 
 
-def test_long_is_timed_unless_prefill_proves_it_cannot_win():
-    """At 4x the rows a path takes at most 4x its time, so only a path > 4x the best prefill is skipped;
-    a format's first path is always timed, so every format covers every regime."""
-    timings = {"a": {"p": {"prefill": 100.0}}}
-    assert kernels._may_win_long({"prefill": 400.0}, timings, "a")
-    assert not kernels._may_win_long({"prefill": 401.0}, timings, "a")
-    assert kernels._may_win_long({"prefill": 5000.0}, timings, "b")
+def test_a_regime_is_timed_unless_the_one_before_proves_it_cannot_win():
+    """At k times the rows the best path takes at most k times as long, so only a path more than k times
+    the best at the regime before is skipped; a format's first path is always timed, so every format
+    covers every regime."""
+    timings = {"a": {"p": {"decode": 10.0, "prefill": 100.0}}}
+    assert kernels._may_win("long", {"prefill": 400.0}, timings, "a")
+    assert not kernels._may_win("long", {"prefill": 401.0}, timings, "a")
+    assert kernels._may_win("long", {"prefill": 5000.0}, timings, "b")  # b's first path: always timed
+    assert not kernels._may_win("batch", {"decode": 81.0}, timings, "a")  # 8 rows: at most 8x the best
+    assert kernels._may_win("batch", {"decode": 80.0}, timings, "a")
+    assert kernels._may_win("prefill", {"decode": 10000.0}, timings, "a")  # cold copies vs one warm: never pruned
 
 
 def test_a_path_outside_its_rounding_is_rejected(monkeypatch):

@@ -262,7 +262,7 @@ def measure_shape(precision: str, out_features: int, in_features: int, activatio
             dynamic = name in fmt.dynamic_paths
             times, why = {}, None
             for r in ("decode",) if name in fmt.one_row_paths else REGIMES:
-                if r == "long" and not _may_win_long(times, timings, fmt.name):
+                if not _may_win(r, times, timings, fmt.name):
                     continue
                 why = _check(path, tensors, b, activation, expected, inputs, (r,), dynamic)
                 if why:
@@ -346,15 +346,23 @@ def _check(path, tensors, b, activation, expected: Expected, inputs, regimes, dy
     return None
 
 
-def _may_win_long(times: dict, timings: dict, fmt: str) -> bool:
-    """Whether a path is worth timing at "long" (512 rows: a slow path there costs a second or more).
+# A regime timed after one with fewer rows, read the same way (both over cold copies, or both over one warm copy)
+PRUNED_AFTER = {"batch": "decode", "long": "prefill"}
 
-    A call's time grows with its rows, and a path's time at 4x the rows is at most 4x its time (a
-    fixed cost plus a cost per row), so a path more than 4x slower than the best at "prefill" cannot
-    be the fastest at "long". The first path of each format is always timed, so every format is
-    complete."""
-    ratio = ROWS["long"] / ROWS["prefill"]
-    return fmt not in timings or times["prefill"] <= ratio * _best(timings, "prefill") * 1e6
+
+def _may_win(regime: str, times: dict, timings: dict, fmt: str) -> bool:
+    """Whether a path is worth timing at `regime` (a slow path costs up to a second per regime).
+
+    A call's time grows with its rows, and the best path's time at k times the rows is at most k times
+    its time (a fixed cost plus a cost per row), so a path more than k times slower than the best at
+    the regime before (PRUNED_AFTER, k = the ratio of their rows) cannot be the fastest at this one.
+    The first path of each format is always timed, so every format is complete."""
+    before = PRUNED_AFTER.get(regime)
+    if before is None or fmt not in timings:
+        return True
+    if before not in times:
+        return False  # skipped there already, so slower still
+    return times[before] <= ROWS[regime] / ROWS[before] * _best(timings, before) * 1e6
 
 
 def _best(timings: dict, regime: str) -> float:
