@@ -257,14 +257,14 @@ def measure_shape(precision: str, out_features: int, in_features: int, activatio
             continue
         copies = _copies(fmt, w, bias, tensors)
         b = bias.to(dtype)
-        expected = Expected(fmt.reference_weight(w, tensors), bias.to(dtype).double(), activation, precision)
+        expected = Expected(fmt.reference_weight(w, tensors), b.double(), activation, precision)
         for name, path in fmt.paths.items():
             dynamic = name in fmt.dynamic_paths
             times, why = {}, None
             for r in ("decode",) if name in fmt.one_row_paths else REGIMES:
                 if not _may_win(r, times, timings, fmt.name):
                     continue
-                why = _check(path, tensors, b, activation, expected, inputs, (r,), dynamic)
+                why = _check(path, tensors, b, activation, expected, inputs[r], dynamic)
                 if why:
                     break
                 times[r] = _time_path(path, copies if r in ("decode", "batch") else copies[:1], b, activation,
@@ -327,22 +327,19 @@ class Expected:
         return self.memo[key]
 
 
-def _check(path, tensors, b, activation, expected: Expected, inputs, regimes, dynamic) -> str | None:
-    """None if the path computes act(x W^T + b) within its precision's rounding at each regime's rows
+def _check(path, tensors, b, activation, expected: Expected, x: torch.Tensor, dynamic: bool) -> str | None:
+    """None if the path computes act(x W^T + b) within its precision's rounding for these rows
     (Expected: the float64 reference and the bound)."""
-    t = _unwrap(tensors)
-    for r in regimes:
-        x = inputs[r]
-        try:
-            y = path(x, t, b, activation).double()
-        except (RuntimeError, NotImplementedError) as e:
-            return f"fails at {x.size(0)} rows: {str(e).splitlines()[0][:120]}"
-        exact, bound = expected(x, dynamic)
-        if y.shape != (x.size(0), exact.size(1)):
-            return f"wrong shape {tuple(y.shape)} at {x.size(0)} rows"
-        excess = ((y[Expected.rows(x)] - exact).abs() - bound - 1e-6).max().item()
-        if not math.isfinite(excess) or excess > 0:
-            return f"outside its rounding at {x.size(0)} rows (max excess {excess:.3g})"
+    try:
+        y = path(x, _unwrap(tensors), b, activation).double()
+    except (RuntimeError, NotImplementedError) as e:
+        return f"fails at {x.size(0)} rows: {str(e).splitlines()[0][:120]}"
+    exact, bound = expected(x, dynamic)
+    if y.shape != (x.size(0), exact.size(1)):
+        return f"wrong shape {tuple(y.shape)} at {x.size(0)} rows"
+    excess = ((y[Expected.rows(x)] - exact).abs() - bound - 1e-6).max().item()
+    if not math.isfinite(excess) or excess > 0:
+        return f"outside its rounding at {x.size(0)} rows (max excess {excess:.3g})"
     return None
 
 
