@@ -240,12 +240,13 @@ def test_a_regime_is_timed_unless_the_one_before_proves_it_cannot_win():
     the best at the regime before is skipped; a format's first path is always timed, so every format
     covers every regime."""
     timings = {"a": {"p": {"decode": 10.0, "prefill": 100.0}}}
-    assert kernels._may_win("long", {"prefill": 400.0}, timings, "a")
-    assert not kernels._may_win("long", {"prefill": 401.0}, timings, "a")
-    assert kernels._may_win("long", {"prefill": 5000.0}, timings, "b")  # b's first path: always timed
-    assert not kernels._may_win("batch", {"decode": 81.0}, timings, "a")  # 8 rows: at most 8x the best
-    assert kernels._may_win("batch", {"decode": 80.0}, timings, "a")
-    assert kernels._may_win("prefill", {"decode": 10000.0}, timings, "a")  # cold copies vs one warm: never pruned
+    assert kernels._may_win("long", {"prefill": 400.0}, timings)
+    assert not kernels._may_win("long", {"prefill": 401.0}, timings)
+    assert kernels._may_win("long", {"prefill": 5000.0}, timings, always=True)  # a format's first path
+    assert not kernels._may_win("long", {}, timings)  # skipped at prefill: slower still
+    assert not kernels._may_win("batch", {"decode": 81.0}, timings)  # 8 rows: at most 8x the best
+    assert kernels._may_win("batch", {"decode": 80.0}, timings)
+    assert kernels._may_win("prefill", {"decode": 10000.0}, timings)  # cold copies vs one warm: never pruned
 
 
 def test_a_path_outside_its_rounding_is_rejected(monkeypatch):
@@ -255,6 +256,52 @@ def test_a_path_outside_its_rounding_is_rejected(monkeypatch):
     monkeypatch.setattr(quantize, "CPU_FORMATS", quantize.CPU_FORMATS + [broken])
     choice = kernels.measure_shape("float32", 32, 64, None)
     assert "broken/off by one" in choice.rejected and choice.format != "broken"
+
+
+def test_a_wide_layer_is_checked_on_its_edge_outputs(monkeypatch):
+    """A layer wider than 2 x CHECKED_COLUMNS (the lm_head) is compared on its first and last outputs: a
+    path wrong only in the very last output column is still rejected."""
+    from gpt2 import quantize
+    N = 2 * kernels.CHECKED_COLUMNS + 100
+
+    def last_column_off(x, t, b, a):
+        y = F.linear(x, t["weight"], b)
+        y[:, -1] += 1
+        return y
+    broken = quantize.WeightFormat("broken", "float32", lambda w, b: {"weight": w}, lambda w, t: w.double(),
+                                   {"last column off": last_column_off})
+    monkeypatch.setattr(quantize, "CPU_FORMATS", quantize.CPU_FORMATS + [broken])
+    choice = kernels.measure_shape("float32", N, 16, None)
+    assert "broken/last column off" in choice.rejected and choice.format != "broken"
+
+
+def test_int8_paths_shared_by_formats_are_measured_once(monkeypatch):
+    """The three int8 formats quantize the weight alike, so int8pack_mm (in all three) is checked and timed
+    once per regime and its timings reused; dequantizing paths are not timed at 1 or 8 rows."""
+    from gpt2.quantize import _int8pack
+    checked = []
+    real_check = kernels._check
+    monkeypatch.setattr(kernels, "_check", lambda path, *a: checked.append(path) or real_check(path, *a))
+    choice = kernels.measure_shape("int8", 96, 64, None)
+    engines = [f.name for f in formats_for("int8") if f.same_weights_as == "weight-only"]
+    assert engines and checked.count(_int8pack) <= len(kernels.REGIMES)
+    for name in engines:
+        assert choice.timings_us[name]["int8pack_mm"] == choice.timings_us["weight-only"]["int8pack_mm"]
+    for paths in choice.timings_us.values():
+        if "dequant bf16" in paths:
+            assert not {"decode", "batch"} & set(paths["dequant bf16"])
+
+
+def test_an_int4_plan_reuses_the_int8_lm_head_an_int8_plan_measured(monkeypatch):
+    measured = []
+    real = kernels.measure_shape
+    monkeypatch.setattr(kernels, "measure_shape", lambda *shape: measured.append(shape) or real(*shape))
+    kernels.plan_for(tiny_model(), "int8")
+    assert ("int8", CONFIG.vocab_size, CONFIG.n_embd, None) in measured
+    measured.clear()
+    plan = kernels.plan_for(tiny_model(), "int4")
+    assert measured and all(p == "int4" for p, *_ in measured)  # the lm_head (int8) came from the cache
+    assert plan.choice_for(CONFIG.vocab_size, CONFIG.n_embd, None, "int8").format
 
 
 @pytest.mark.slow

@@ -257,6 +257,23 @@ def test_quantized_copy_equals_apply_plan_and_leaves_the_model_alone(target):
         assert torch.equal(quantized_copy(reference, "int8")(ids), reference(ids))
 
 
+def test_a_self_draft_is_built_once_and_again_when_the_weights_change(target, monkeypatch):
+    import gpt2.engine as engine
+    built = []
+    real = engine.quantized_copy
+    monkeypatch.setattr(engine, "quantized_copy", lambda model, p: built.append(p) or real(model, p))
+    model = copy.deepcopy(target)
+    first = generate(model, PROMPTS, max_new_tokens=6, draft="self:int8")
+    assert generate(model, PROMPTS, max_new_tokens=6, draft="self:int8") == first and built == ["int8"]
+    generate(model, PROMPTS, max_new_tokens=6, draft="self:int4")
+    assert built == ["int8", "int4"]
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight.mul_(-1)  # in place: the cached int4 copy is stale
+    changed = generate(model, PROMPTS, max_new_tokens=6, draft="self:int4")
+    assert built == ["int8", "int4", "int4"]
+    assert changed == generate_naive(model, PROMPTS, max_new_tokens=6)  # greedy: exact with the new weights
+
+
 def test_draft_errors(target):
     other_vocab = random_model(GPTConfig(n_layer=1, n_head=4, n_embd=32, vocab_size=401, n_positions=160))
     with pytest.raises(ConfigError, match="vocabulary"):

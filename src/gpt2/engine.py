@@ -36,6 +36,7 @@ Stop strings are text, so they are matched at the edges (the CLI, the server) wi
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -453,12 +454,23 @@ class Speculation:
         self.schedule.update(proposed, n - 1)
 
 
+# target -> (weights' identity, precision) -> its quantized copy: a self-draft is built once, not per call
+_self_drafts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def resolve_draft(target, draft):
-    """The draft model: `draft` itself, or for "self:int8" / "self:int4" the target's weights quantized."""
+    """The draft model: `draft` itself, or for "self:int8" / "self:int4" the target's weights quantized
+    (built on the first call and kept while the target lives and its weights are unchanged)."""
     if isinstance(draft, str):
         if draft not in SELF_DRAFTS:
             raise ConfigError(f"draft {draft!r} is not a model; pass a GPT, or one of {', '.join(SELF_DRAFTS)}")
-        draft = quantized_copy(target, SELF_DRAFTS[draft])
+        # A weight changed in place bumps its version counter; a replaced one is a new tensor.
+        weights = tuple((id(t), t._version) for t in (*target.parameters(), *target.buffers()))
+        cached = _self_drafts.setdefault(target, {})
+        if (weights, draft) not in cached:
+            cached.clear()  # copies of weights the target no longer has
+            cached[weights, draft] = quantized_copy(target, SELF_DRAFTS[draft])
+        draft = cached[weights, draft]
     if not hasattr(draft, "config") or not hasattr(draft, "transformer"):
         raise ConfigError(f"draft must be a GPT model or one of {', '.join(SELF_DRAFTS)}, got {type(draft).__name__}")
     if draft.config.vocab_size != target.config.vocab_size:

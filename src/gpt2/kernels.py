@@ -20,6 +20,13 @@ and each of its paths is
 Per format, each regime takes its fastest path; the format kept is the one whose regimes are, summed,
 closest to the best of each (time / best time, added over the four regimes).
 
+What keeps measuring to seconds (124M on 2 cores: bf16 ~3 s, float32 ~5 s, int8 ~8 s, int4 ~6 s, or
+~1 s once an int8 plan has measured the lm_head both share): each regime is measured across every
+format before the next, so a path that provably cannot win is skipped (_may_win); a path two formats
+share on the same tensors is measured once (WeightFormat.same_weights_as); paths that dequantize the
+whole weight per call are timed only at 128 and 512 rows; checks compare the edges of long calls and
+wide layers against one float64 reference per distinct weight.
+
 Results are cached per CPU model and features, torch version, thread count and candidate list, in
 $XDG_CACHE_HOME/gpt2/kernels.json (default ~/.cache), written atomically. A corrupt or foreign file
 is ignored with one warning and measured again.
@@ -38,12 +45,13 @@ from pathlib import Path
 import torch
 
 from gpt2.atomic import atomic_write_json
-from gpt2.quantize import REGIMES, formats_for, kernel_dtype, layer_precision, linear_layers
+from gpt2.quantize import REGIMES, WeightFormat, _Packed, formats_for, kernel_dtype, layer_precision, linear_layers
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 4  # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
-                   # 4: the bf16 oneDNN format keeps only its packed weight (no float32-GEMM path)
+CACHE_VERSION = 5  # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
+                   # 4: the bf16 oneDNN format keeps only its packed weight (no float32-GEMM path);
+                   # 5: entries keyed by the layer's own precision (int4 and int8 plans share the int8 lm_head)
 ROWS = {"decode": 1, "batch": 8, "prefill": 128, "long": 512}  # the rows each regime is timed at
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2 ** -7, "int8": 2 ** -7, "int4": 2 ** -7}  # relative, see _check
 REPEATS = 5
@@ -180,23 +188,28 @@ def plan_for(model, precision: str, device_type: str | None = None, cache_path: 
         return Plan(precision, {"cpu": device_type, "features": [], "torch": torch.__version__, "threads": 0},
                     {k: fixed(p) for k, (p, *_) in shapes.items()}, "fixed")
     machine = machine_key()
-    machine["candidates"] = [f"{f.precision} {f.name}/{path}" for p in sorted({s[0] for s in shapes.values()})
-                             for f in formats_for(p, "cpu") for path in f.paths]
     cache_path = cache_path or default_cache_path()
     entries = _read_cache(cache_path)
-    prefix = json.dumps(machine, sort_keys=True) + f"|{precision}|"
     choices, missing = {}, []
-    for key in shapes:
-        if prefix + key in entries:
-            choices[key] = Choice(**entries[prefix + key])
+    for key, shape in shapes.items():
+        if _entry_key(machine, *shape) in entries:
+            choices[key] = Choice(**entries[_entry_key(machine, *shape)])
         else:
             missing.append(key)
     for key in missing:
         choices[key] = measure_shape(*shapes[key])
-        entries[prefix + key] = asdict(choices[key])
+        entries[_entry_key(machine, *shapes[key])] = asdict(choices[key])
     if missing:
         _write_cache(cache_path, entries)
     return Plan(precision, machine, choices, "measured" if missing else "cache")
+
+
+def _entry_key(machine: dict, precision: str, out_features: int, in_features: int, activation: str | None) -> str:
+    """A cache entry's key: the machine, the candidates measured and the layer's own precision and shape, so
+    that an int4 plan and an int8 one share the measured int8 lm_head."""
+    candidates = [f"{f.name}/{path}" for f in formats_for(precision, "cpu") for path in f.paths]
+    return (json.dumps({**machine, "candidates": candidates}, sort_keys=True)
+            + f"|{shape_key(out_features, in_features, activation, precision, precision)}@{precision}")
 
 
 def _read_cache(path: Path, validate=lambda entry: Choice(**entry)) -> dict:
@@ -240,86 +253,154 @@ def cached_measurement(name: str, key: dict, measure, validate=lambda entry: Non
 # measuring one shape
 # ---------------------------------------------------------------------------------------------
 
+@dataclass
+class Candidate:
+    """One weight format packed for the shape being measured: its tensors, cold copies and reference."""
+    format: WeightFormat
+    tensors: dict
+    copies: list[dict]
+    expected: Expected
+
+
 @torch.inference_mode()
 def measure_shape(precision: str, out_features: int, in_features: int, activation: str | None) -> Choice:
-    """Check and time every format and path for one linear shape; keep the best format (see the docstring)."""
+    """Check and time every format and path for one linear shape; keep the best format (see the docstring).
+
+    Every format is packed first and the regimes are measured in turn, each across all formats, so a
+    path is skipped once any format has shown it cannot win (_may_win)."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(out_features, in_features, generator=gen) * 0.02
     bias = torch.randn(out_features, generator=gen) * 0.02
     dtype = kernel_dtype(precision)
     inputs = {r: torch.randn(n, in_features, generator=gen).to(dtype) for r, n in ROWS.items()}
-    timings, rejected = {}, {}
+    b = bias.to(dtype)
+    candidates, rejected = [], {}
     for fmt in formats_for(precision, "cpu"):
         try:
             tensors = fmt.pack(w, bias)
         except RuntimeError as e:
             rejected[fmt.name] = f"pack failed: {str(e).splitlines()[0][:120]}"
             continue
-        copies = _copies(fmt, w, bias, tensors)
-        b = bias.to(dtype)
         expected = Expected(fmt.reference_weight(w, tensors), b.double(), activation, precision)
-        for name, path in fmt.paths.items():
-            dynamic = name in fmt.dynamic_paths
-            times, why = {}, None
-            for r in ("decode",) if name in fmt.one_row_paths else REGIMES:
-                if not _may_win(r, times, timings, fmt.name):
+        # Formats computing with one weight (int8's three) share one: its products are the costly part of a check.
+        expected = next((c.expected for c in candidates if c.expected.same_as(expected)), expected)
+        candidates.append(Candidate(fmt, tensors, _copies(fmt, w, bias, tensors), expected))
+    timings = {}  # format -> path -> regime -> us
+    for regime in REGIMES:
+        for c in candidates:
+            fmt = c.format
+            first = next(iter(fmt.paths))
+            for name, path in fmt.paths.items():
+                key = f"{fmt.name}/{name}"
+                if (key in rejected or (regime != "decode" and name in fmt.one_row_paths)
+                        or (regime in ("decode", "batch") and name in fmt.many_row_paths)):
                     continue
-                why = _check(path, tensors, b, activation, expected, inputs[r], dynamic)
+                times = timings.get(fmt.name, {}).get(name, {})
+                shared = _shared_result(fmt, name, regime, timings, rejected)
+                if shared is not None:
+                    why, elapsed = shared
+                elif _may_win(regime, times, timings, always=name == first):
+                    why = _check(path, c.tensors, b, activation, c.expected, inputs[regime], name in fmt.dynamic_paths)
+                    cold = regime in ("decode", "batch")  # else one copy, which the check has just run
+                    elapsed = None if why else _time_path(path, c.copies if cold else c.copies[:1], b, activation,
+                                                          inputs[regime], _best(timings, regime), warm_up=cold) * 1e6
+                else:
+                    continue
                 if why:
-                    break
-                times[r] = _time_path(path, copies if r in ("decode", "batch") else copies[:1], b, activation,
-                                      inputs[r], _best(timings, r)) * 1e6
-            if why:
-                rejected[f"{fmt.name}/{name}"] = why
-            else:
-                timings.setdefault(fmt.name, {})[name] = times
+                    rejected[key] = why
+                    timings.get(fmt.name, {}).pop(name, None)
+                elif elapsed is not None:
+                    timings.setdefault(fmt.name, {}).setdefault(name, {})[regime] = elapsed
+    timings = {f: paths for f, paths in timings.items() if paths}
     if not timings:
         raise RuntimeError(f"no {precision} kernel passed its check for {out_features}x{in_features}: {rejected}")
     return _choose(timings, rejected)
+
+
+def _shared_result(fmt, name: str, regime: str, timings: dict, rejected: dict) -> tuple[str | None, float | None] | None:
+    """(why rejected, us) measured for the same path in the format fmt.same_weights_as, which packs the
+    same tensors; (None, None) where it was not worth timing there; None when not shared."""
+    twin = next((f for f in formats_for(fmt.precision, "cpu") if f.name == fmt.same_weights_as), None)
+    if twin is None or twin.paths.get(name) is not fmt.paths[name]:
+        return None
+    key = f"{twin.name}/{name}"
+    if key in rejected:
+        return rejected[key], None
+    return None, timings.get(twin.name, {}).get(name, {}).get(regime)
 
 
 def _copies(fmt, w, bias, tensors) -> list[dict]:
     """Enough packed copies of one weight to span twice the last-level cache (decode reads memory)."""
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor))
     n = max(1, min(64, math.ceil(2 * last_level_cache_bytes() / max(nbytes, 1))))
-    # Each copy packs its own clone: a format that keeps the weight as it is (float32 plain) would
-    # otherwise hand back the same storage every time, which then stays in cache and times as ~4x faster.
+    # Each copy owns its storage: a format that keeps the weight as it is (float32 plain) would otherwise
+    # hand back the same storage every time, which then stays in cache and times as ~4x faster. Plain
+    # tensors are cloned (packing again would quantize again); opaque ones (oneDNN's, an engine's packed
+    # object) are packed again, as a clone may not keep their layout.
+    if all(_is_plain(t) for t in tensors.values()):
+        return [tensors] + [{k: t.clone() if isinstance(t, torch.Tensor) else t for k, t in tensors.items()}
+                            for _ in range(n - 1)]
     return [tensors] + [fmt.pack(w.clone(), bias.clone()) for _ in range(n - 1)]
+
+
+def _is_plain(t) -> bool:
+    """A strided tensor, or metadata a format keeps beside its tensors (int4pack's row count)."""
+    if isinstance(t, _Packed):
+        return not isinstance(t.obj, torch.ScriptObject)
+    return t.layout == torch.strided
 
 
 def _unwrap(tensors: dict) -> dict:
     return {k: getattr(v, "obj", v) for k, v in tensors.items()}
 
 
-CHECKED_ROWS = 64  # a long call's outputs are checked on its first and last rows: the float64 reference
-                   # of all 512 rows of the lm_head would cost seconds per format
+# A check compares a long call's first and last rows, and a wide layer's first and last outputs: the
+# float64 reference of all 512 rows of the lm_head's 50,257 outputs would cost seconds per format. A
+# layout bug sits at the edges (a partial block of rows or columns) or everywhere.
+CHECKED_ROWS = 64
+CHECKED_COLUMNS = 2048
+
+
+def _edges(n: int, keep: int) -> torch.Tensor:
+    """Indices of the first and last `keep` of n (all of them when n <= 2 keep)."""
+    if n <= 2 * keep:
+        return torch.arange(n)
+    return torch.cat((torch.arange(keep), torch.arange(n - keep, n)))
 
 
 class Expected:
-    """A format's float64 reference, act(x W^T + b), and the rounding bound around it, for the rows
-    a check compares; computed once per input and shared by all of the format's paths."""
+    """A format's float64 reference, act(x W^T + b), and the rounding bound around it, for the rows and
+    outputs a check compares; computed once per input and shared by all of the format's paths."""
 
     def __init__(self, reference: torch.Tensor, bias: torch.Tensor, activation: str | None, precision: str):
-        self.reference, self.bias, self.activation, self.tolerance = reference, bias, activation, TOLERANCE[precision]
+        self.out_features = reference.size(0)
+        self.columns = _edges(self.out_features, CHECKED_COLUMNS)
+        self.reference, self.bias = reference[self.columns], bias[self.columns]  # (n, K), (n,) float64
+        self.activation, self.tolerance = activation, TOLERANCE[precision]
+        self.reference_abs = self.reference.abs().float()  # for the bound, below
+        self.reference_abs_sums = self.reference.abs().sum(1)  # (n,): sum_k |W|
         self.memo = {}
 
     @staticmethod
     def rows(x: torch.Tensor) -> torch.Tensor:
-        if x.size(0) <= 2 * CHECKED_ROWS:
-            return torch.arange(x.size(0))
-        return torch.cat((torch.arange(CHECKED_ROWS), torch.arange(x.size(0) - CHECKED_ROWS, x.size(0))))
+        return _edges(x.size(0), CHECKED_ROWS)
+
+    def same_as(self, other: "Expected") -> bool:
+        return torch.equal(self.reference, other.reference) and self.activation == other.activation
 
     def __call__(self, x: torch.Tensor, dynamic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(exact, bound) for x's checked rows. The bound, per output: tol * (|x| @ |W|^T + |b|), plus for
-        activations quantized per token half a quantization step of that row of x (max|x| / 254) times
-        sum_k |W|."""
+        """(exact, bound) for x's checked rows and the checked outputs. The bound, per output:
+        tol * (|x| @ |W|^T + |b|), plus for activations quantized per token half a quantization step of
+        that row of x (max|x| / 254) times sum_k |W|."""
         key = (x.data_ptr(), x.size(0), dynamic)
         if key not in self.memo:
             xd = x[self.rows(x)].double()
             exact = xd @ self.reference.t() + self.bias
-            bound = self.tolerance * (xd.abs() @ self.reference.abs().t() + self.bias.abs())
+            # A sum of positive terms: float32 holds it to 1e-7 relative, far inside any tolerance, and
+            # its GEMM is ~10x float64's.
+            bound = self.tolerance * (xd.abs().float() @ self.reference_abs.t() + self.bias.abs().float()).double()
             if dynamic:  # half a quantization step of each row's x (255 levels over [-max, max]), times sum |W|
-                bound = bound + xd.abs().amax(dim=1, keepdim=True) / 254 * self.reference.abs().sum(1)
+                bound = bound + xd.abs().amax(dim=1, keepdim=True) / 254 * self.reference_abs_sums
             if self.activation is not None:
                 exact = torch.nn.functional.gelu(exact, approximate="tanh")  # GELU's slope is within [-0.17, 1.13]
                 bound = 1.13 * bound + self.tolerance * exact.abs()
@@ -331,13 +412,14 @@ def _check(path, tensors, b, activation, expected: Expected, x: torch.Tensor, dy
     """None if the path computes act(x W^T + b) within its precision's rounding for these rows
     (Expected: the float64 reference and the bound)."""
     try:
-        y = path(x, _unwrap(tensors), b, activation).double()
+        y = path(x, _unwrap(tensors), b, activation)
     except (RuntimeError, NotImplementedError) as e:
         return f"fails at {x.size(0)} rows: {str(e).splitlines()[0][:120]}"
     exact, bound = expected(x, dynamic)
-    if y.shape != (x.size(0), exact.size(1)):
+    if y.shape != (x.size(0), expected.out_features):
         return f"wrong shape {tuple(y.shape)} at {x.size(0)} rows"
-    excess = ((y[Expected.rows(x)] - exact).abs() - bound - 1e-6).max().item()
+    checked = y[Expected.rows(x)][:, expected.columns].double()
+    excess = ((checked - exact).abs() - bound - 1e-6).max().item()
     if not math.isfinite(excess) or excess > 0:
         return f"outside its rounding at {x.size(0)} rows (max excess {excess:.3g})"
     return None
@@ -347,15 +429,15 @@ def _check(path, tensors, b, activation, expected: Expected, x: torch.Tensor, dy
 PRUNED_AFTER = {"batch": "decode", "long": "prefill"}
 
 
-def _may_win(regime: str, times: dict, timings: dict, fmt: str) -> bool:
+def _may_win(regime: str, times: dict, timings: dict, always: bool = False) -> bool:
     """Whether a path is worth timing at `regime` (a slow path costs up to a second per regime).
 
     A call's time grows with its rows, and the best path's time at k times the rows is at most k times
     its time (a fixed cost plus a cost per row), so a path more than k times slower than the best at
     the regime before (PRUNED_AFTER, k = the ratio of their rows) cannot be the fastest at this one.
-    The first path of each format is always timed, so every format is complete."""
+    `always` for the first path of each format, so that every format is complete."""
     before = PRUNED_AFTER.get(regime)
-    if before is None or fmt not in timings:
+    if before is None or always:
         return True
     if before not in times:
         return False  # skipped there already, so slower still
@@ -368,15 +450,17 @@ def _best(timings: dict, regime: str) -> float:
                default=math.inf)
 
 
-def _time_path(path, copies: list[dict], b, activation, x, best_so_far: float = math.inf) -> float:
-    """The fastest of a few repeats of the mean time per call, each repeat one call per copy.
+def _time_path(path, copies: list[dict], b, activation, x, best_so_far: float = math.inf,
+               warm_up: bool = True) -> float:
+    """The fastest of a few repeats of the mean time per call, each repeat one call per copy, after one
+    warm-up call per copy (warm_up=False where the check has just made that call).
 
     The minimum, not the median: other work on the machine only ever adds time, so the fastest repeat
     is the best estimate of the kernel's own cost. Repeats stop early once they take long, and after
     two when both are 3x slower than the best path so far (it cannot win; one sample may be a spike).
     """
     unwrapped = [_unwrap(c) for c in copies]
-    for t in unwrapped:  # warm up: oneDNN primitive caches, first use of each copy
+    for t in unwrapped if warm_up else ():  # oneDNN primitive caches, first use of each copy
         path(x, t, b, activation)
     samples, spent = [], 0.0
     while len(samples) < REPEATS and (len(samples) < 2 or spent < 0.05):

@@ -148,6 +148,9 @@ def _int8_dequant(dtype):
     return path
 
 
+_int8_dequant_bf16 = _int8_dequant(torch.bfloat16)  # one function for every int8 format: kernels.py sees the same path
+
+
 def _int8_dynamic(x, t, bias, activation):
     # x is quantized to uint8 per call (one scale for the whole call: kernels.py offers this path for
     # decode only, where a call is one token); the GEMM runs u8 x s8 with int32 accumulation.
@@ -225,7 +228,13 @@ class WeightFormat:
     paths: dict[str, Path]
     dynamic_paths: tuple[str, ...] = ()   # paths that quantize x per token: a wider tolerance
     one_row_paths: tuple[str, ...] = ()   # paths that quantize a whole call with one scale: decode only
+    # Paths that dequantize the whole weight on every call: measured for prefill and long only (at 1 or
+    # 8 rows they cannot beat a kernel that reads the packed weight once; timing them costs seconds).
+    many_row_paths: tuple[str, ...] = ()
     available: Callable[[], bool] = lambda: True
+    # Another format whose pack makes the same tensors for the paths both have (the same function):
+    # kernels.py checks and times such a path once, in that format, and reuses the result here.
+    same_weights_as: str | None = None
 
 
 def _has(namespace, op: str) -> Callable[[], bool]:
@@ -304,28 +313,30 @@ CPU_FORMATS: list[WeightFormat] = [
                  lambda w, t: w.to(torch.bfloat16).double(), {"onednn": _onednn},
                  available=_has("mkldnn", "_reorder_linear_weight")),
     WeightFormat("weight-only", "int8", _pack_int8, _int8_reference,
-                 {"int8pack_mm": _int8pack, "dequant bf16": _int8_dequant(torch.bfloat16),
-                  "dequant fp32": _int8_dequant(torch.float32)},
+                 {"int8pack_mm": _int8pack, "dequant bf16": _int8_dequant_bf16,
+                  "dequant fp32": _int8_dequant(torch.float32)}, many_row_paths=("dequant bf16", "dequant fp32"),
                  available=_has("aten", "_weight_int8pack_mm")),
     WeightFormat("dynamic fbgemm", "int8", _pack_int8_engine("fbgemm"), _int8_reference,
                  {"u8s8 dynamic": _int8_dynamic, "u8s8 per row": _int8_dynamic_rows, "int8pack_mm": _int8pack,
-                  "dequant bf16": _int8_dequant(torch.bfloat16)},
+                  "dequant bf16": _int8_dequant_bf16},
                  dynamic_paths=("u8s8 dynamic", "u8s8 per row"), one_row_paths=("u8s8 dynamic",),
-                 available=_engine_available("fbgemm")),
+                 many_row_paths=("dequant bf16",),
+                 available=_engine_available("fbgemm"), same_weights_as="weight-only"),
     WeightFormat("dynamic onednn", "int8", _pack_int8_engine("onednn"), _int8_reference,
                  {"u8s8 dynamic": _int8_dynamic, "u8s8 per row": _int8_dynamic_rows, "int8pack_mm": _int8pack,
-                  "dequant bf16": _int8_dequant(torch.bfloat16)},
+                  "dequant bf16": _int8_dequant_bf16},
                  dynamic_paths=("u8s8 dynamic", "u8s8 per row"), one_row_paths=("u8s8 dynamic",),
-                 available=_engine_available("onednn")),
+                 many_row_paths=("dequant bf16",),
+                 available=_engine_available("onednn"), same_weights_as="weight-only"),
     WeightFormat("int4pack", "int4", _pack_int4(packed=True, unpacked=False), _int4_reference,
-                 {"int4pack_mm": _int4pack, "dequant bf16": _int4pack_dequant},
+                 {"int4pack_mm": _int4pack, "dequant bf16": _int4pack_dequant}, many_row_paths=("dequant bf16",),
                  available=_has("aten", "_weight_int4pack_mm_for_cpu")),
 ]
 # Elsewhere (CUDA, MPS) each precision has one format; its GEMM libraries are not chosen from here.
 OTHER_FORMATS: list[WeightFormat] = [
     WeightFormat("plain", "float32", CPU_FORMATS[0].pack, CPU_FORMATS[0].reference_weight, {"F.linear": _plain}),
     WeightFormat("plain", "bfloat16", CPU_FORMATS[3].pack, CPU_FORMATS[3].reference_weight, {"F.linear": _plain}),
-    WeightFormat("weight-only", "int8", _pack_int8, _int8_reference, {"dequant bf16": _int8_dequant(torch.bfloat16)}),
+    WeightFormat("weight-only", "int8", _pack_int8, _int8_reference, {"dequant bf16": _int8_dequant_bf16}),
     WeightFormat("unpacked", "int4", _pack_int4(packed=False, unpacked=True), _int4_reference,
                  {"dequant bf16": _int4_dequant}),
 ]
