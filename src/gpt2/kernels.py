@@ -286,6 +286,7 @@ def measure_shape(precision: str, out_features: int, in_features: int, activatio
         expected = next((c.expected for c in candidates if c.expected.same_as(expected)), expected)
         candidates.append(Candidate(fmt, tensors, _copies(fmt, w, bias, tensors), expected))
     timings = {}  # format -> path -> regime -> us
+    considered = set()  # (format, path, regime) decided: timed, rejected or skipped
     for regime in REGIMES:
         for c in candidates:
             fmt = c.format
@@ -295,12 +296,16 @@ def measure_shape(precision: str, out_features: int, in_features: int, activatio
                 if (key in rejected or (regime != "decode" and name in fmt.one_row_paths)
                         or (regime in ("decode", "batch") and name in fmt.many_row_paths)):
                     continue
+                considered.add((fmt.name, name, regime))
                 times = timings.get(fmt.name, {}).get(name, {})
-                shared = _shared_result(fmt, name, regime, timings, rejected)
-                if shared is not None:
-                    why, elapsed = shared
+                twin = _twin(fmt, name)
+                if twin is not None and (twin, name, regime) in considered and name != first:
+                    # the same kernel on the same tensors, decided in the twin format: reuse its result
+                    why = rejected.get(f"{twin}/{name}")
+                    elapsed = timings.get(twin, {}).get(name, {}).get(regime)
                 elif _may_win(regime, times, timings, always=name == first):
-                    why = _check(path, c.tensors, b, activation, c.expected, inputs[regime], name in fmt.dynamic_paths)
+                    dynamic = name in fmt.dynamic_paths
+                    why = _check(path, c.tensors, b, activation, c.expected, inputs[regime], dynamic)
                     cold = regime in ("decode", "batch")  # else one copy, which the check has just run
                     elapsed = None if why else _time_path(path, c.copies if cold else c.copies[:1], b, activation,
                                                           inputs[regime], _best(timings, regime), warm_up=cold) * 1e6
@@ -317,16 +322,11 @@ def measure_shape(precision: str, out_features: int, in_features: int, activatio
     return _choose(timings, rejected)
 
 
-def _shared_result(fmt, name: str, regime: str, timings: dict, rejected: dict) -> tuple[str | None, float | None] | None:
-    """(why rejected, us) measured for the same path in the format fmt.same_weights_as, which packs the
-    same tensors; (None, None) where it was not worth timing there; None when not shared."""
+def _twin(fmt, name: str) -> str | None:
+    """The format fmt.same_weights_as, when it has path `name` too (the same function): it packs the
+    same tensors, so the path computes and costs there what it does here."""
     twin = next((f for f in formats_for(fmt.precision, "cpu") if f.name == fmt.same_weights_as), None)
-    if twin is None or twin.paths.get(name) is not fmt.paths[name]:
-        return None
-    key = f"{twin.name}/{name}"
-    if key in rejected:
-        return rejected[key], None
-    return None, timings.get(twin.name, {}).get(name, {}).get(regime)
+    return twin.name if twin is not None and twin.paths.get(name) is fmt.paths[name] else None
 
 
 def _copies(fmt, w, bias, tensors) -> list[dict]:
