@@ -305,10 +305,13 @@ def measure_shape(precision: str, out_features: int, in_features: int, activatio
                     elapsed = timings.get(twin, {}).get(name, {}).get(regime)
                 elif _may_win(regime, times, timings, always=name == first):
                     dynamic = name in fmt.dynamic_paths
-                    why = _check(path, c.tensors, b, activation, c.expected, inputs[regime], dynamic)
-                    cold = regime in ("decode", "batch")  # else one copy, which the check has just run
+                    why, checked = _check(path, c.tensors, b, activation, c.expected, inputs[regime], dynamic)
+                    # decode and batch rotate over cold copies; prefill and long call the one copy the check
+                    # has just called, so that call is their warm-up and their first sample
+                    cold = regime in ("decode", "batch")
                     elapsed = None if why else _time_path(path, c.copies if cold else c.copies[:1], b, activation,
-                                                          inputs[regime], _best(timings, regime), warm_up=cold) * 1e6
+                                                          inputs[regime], _best(timings, regime),
+                                                          first_sample=None if cold else checked) * 1e6
                 else:
                     continue
                 if why:
@@ -408,21 +411,24 @@ class Expected:
         return self.memo[key]
 
 
-def _check(path, tensors, b, activation, expected: Expected, x: torch.Tensor, dynamic: bool) -> str | None:
-    """None if the path computes act(x W^T + b) within its precision's rounding for these rows
-    (Expected: the float64 reference and the bound)."""
+def _check(path, tensors, b, activation, expected: Expected, x: torch.Tensor,
+           dynamic: bool) -> tuple[str | None, float]:
+    """(None, seconds the call took) if the path computes act(x W^T + b) within its precision's rounding
+    for these rows (Expected: the float64 reference and the bound); else (why, seconds)."""
+    start = time.perf_counter()
     try:
         y = path(x, _unwrap(tensors), b, activation)
     except (RuntimeError, NotImplementedError) as e:
-        return f"fails at {x.size(0)} rows: {str(e).splitlines()[0][:120]}"
+        return f"fails at {x.size(0)} rows: {str(e).splitlines()[0][:120]}", 0.0
+    elapsed = time.perf_counter() - start
     exact, bound = expected(x, dynamic)
     if y.shape != (x.size(0), expected.out_features):
-        return f"wrong shape {tuple(y.shape)} at {x.size(0)} rows"
+        return f"wrong shape {tuple(y.shape)} at {x.size(0)} rows", elapsed
     checked = y[Expected.rows(x)][:, expected.columns].double()
     excess = ((checked - exact).abs() - bound - 1e-6).max().item()
     if not math.isfinite(excess) or excess > 0:
-        return f"outside its rounding at {x.size(0)} rows (max excess {excess:.3g})"
-    return None
+        return f"outside its rounding at {x.size(0)} rows (max excess {excess:.3g})", elapsed
+    return None, elapsed
 
 
 # A regime timed after one with fewer rows, read the same way (both over cold copies, or both over one warm copy)
@@ -451,18 +457,21 @@ def _best(timings: dict, regime: str) -> float:
 
 
 def _time_path(path, copies: list[dict], b, activation, x, best_so_far: float = math.inf,
-               warm_up: bool = True) -> float:
+               first_sample: float | None = None) -> float:
     """The fastest of a few repeats of the mean time per call, each repeat one call per copy, after one
-    warm-up call per copy (warm_up=False where the check has just made that call).
+    warm-up call per copy. first_sample: the time of a call just made on the one copy (the check's),
+    which then is both the warm-up and the first sample (a first call is the slowest: the minimum is
+    not lowered by it).
 
     The minimum, not the median: other work on the machine only ever adds time, so the fastest repeat
     is the best estimate of the kernel's own cost. Repeats stop early once they take long, and after
     two when both are 3x slower than the best path so far (it cannot win; one sample may be a spike).
     """
     unwrapped = [_unwrap(c) for c in copies]
-    for t in unwrapped if warm_up else ():  # oneDNN primitive caches, first use of each copy
+    for t in unwrapped if first_sample is None else ():  # oneDNN primitive caches, first use of each copy
         path(x, t, b, activation)
-    samples, spent = [], 0.0
+    samples = [] if first_sample is None else [first_sample]
+    spent = sum(samples)
     while len(samples) < REPEATS and (len(samples) < 2 or spent < 0.05):
         start = time.perf_counter()
         for t in unwrapped:

@@ -300,6 +300,11 @@ CPU_FORMATS: list[WeightFormat] = [
                  {"F.linear": _plain}),
     WeightFormat("onednn", "float32", lambda w, b: {"onednn": torch.ops.mkldnn._reorder_linear_weight(w, 1)},
                  lambda w, t: w.double(), {"onednn": _onednn}, available=_has("mkldnn", "_reorder_linear_weight")),
+    # The same kernel on the weight laid out for 8-row calls (oneDNN's batch-size hint). Measured on an AMD
+    # EPYC (Zen 5), this layout was faster for float32 at every row count: 1 row 15-30% (768x3072: 279 vs
+    # 196 us), 8 rows 2.5x, 128 rows 15-19%; for bf16 the hint made no difference.
+    WeightFormat("onednn b8", "float32", lambda w, b: {"onednn": torch.ops.mkldnn._reorder_linear_weight(w, 8)},
+                 lambda w, t: w.double(), {"onednn": _onednn}, available=_has("mkldnn", "_reorder_linear_weight")),
     WeightFormat("mkl", "float32",
                  lambda w, b: {"weight": w.contiguous(), "mkl": torch.ops.mkl._mkl_reorder_linear_weight(w, 1)},
                  lambda w, t: w.double(), {"mkl": _mkl},
@@ -333,9 +338,11 @@ CPU_FORMATS: list[WeightFormat] = [
                  available=_has("aten", "_weight_int4pack_mm_for_cpu")),
 ]
 # Elsewhere (CUDA, MPS) each precision has one format; its GEMM libraries are not chosen from here.
+_PLAIN = {f.precision: f for f in CPU_FORMATS if f.name == "plain"}
 OTHER_FORMATS: list[WeightFormat] = [
-    WeightFormat("plain", "float32", CPU_FORMATS[0].pack, CPU_FORMATS[0].reference_weight, {"F.linear": _plain}),
-    WeightFormat("plain", "bfloat16", CPU_FORMATS[3].pack, CPU_FORMATS[3].reference_weight, {"F.linear": _plain}),
+    WeightFormat("plain", "float32", _PLAIN["float32"].pack, _PLAIN["float32"].reference_weight, {"F.linear": _plain}),
+    WeightFormat("plain", "bfloat16", _PLAIN["bfloat16"].pack, _PLAIN["bfloat16"].reference_weight,
+                 {"F.linear": _plain}),
     WeightFormat("weight-only", "int8", _pack_int8, _int8_reference, {"dequant bf16": _int8_dequant_bf16}),
     WeightFormat("unpacked", "int4", _pack_int4(packed=False, unpacked=True), _int4_reference,
                  {"dequant bf16": _int4_dequant}),
