@@ -277,7 +277,9 @@ def test_concurrent_connections_are_capped(model, tok):
         idle = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(2)]
         try:
             time.sleep(0.2)  # uvicorn registers them
-            assert httpx.post(f"{s.url}/v1/completions", json=body, timeout=30).status_code == 503
+            r = httpx.post(f"{s.url}/v1/completions", json=body, timeout=30)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "too_many_connections"
         finally:
             idle.pop().close()
         time.sleep(0.2)

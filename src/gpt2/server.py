@@ -37,7 +37,8 @@ every endpoint but /health and the playground page wants `Authorization: Bearer`
 
 Connections: a request whose head has not arrived `request_timeout` s after its connection opened (or
 after its previous response) gets 408 and the connection is closed; a body slower than that gets a
-408 error. Over `max_connections` open connections, uvicorn answers 503. On SIGTERM (or Ctrl+C)
+408 error. A connection opened while `max_connections` others are open gets 503 (an OpenAI error,
+Retry-After: 1) and is closed. On SIGTERM (or Ctrl+C)
 uvicorn stops accepting connections and lets in-flight requests finish (up to `shutdown_timeout` s);
 then the scheduler cancels whatever is left, its thread exits and so does the process, with status 0.
 """
@@ -652,12 +653,14 @@ class SlowSenderTimeout(H11Protocol):
     connection opened or its previous response ended, the client gets 408 and the connection closes
     (uvicorn alone waits forever for a head sent a byte at a time). Made by uvicorn_config."""
 
-    def __init__(self, *args, timeout: float, **kwargs):
+    def __init__(self, *args, timeout: float, max_connections: int, **kwargs):
         super().__init__(*args, **kwargs)
-        self.timeout, self.timer = timeout, None
+        self.timeout, self.timer, self.max_connections = timeout, None, max_connections
 
     def connection_made(self, transport):
         super().connection_made(transport)
+        if len(self.connections) > self.max_connections:  # the server's open connections, this one included
+            self.app = functools.partial(_too_many_connections, self.max_connections)
         self._arm()
 
     def on_response_complete(self):
@@ -684,6 +687,20 @@ class SlowSenderTimeout(H11Protocol):
             self.transport.close()
 
 
+async def _too_many_connections(limit: int, scope, receive, send) -> None:
+    """The app a connection over --max-connections gets: 503 with Retry-After, as an OpenAI error, and
+    the connection closes (uvicorn's own limit answers in plain text)."""
+    if scope["type"] != "http":
+        return
+    error = APIError(503, f"the server has {limit} connections open, its limit; retry shortly",
+                     type="server_busy", code="too_many_connections")
+    body = json.dumps(error.body()).encode()
+    await send({"type": "http.response.start", "status": 503,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"retry-after", b"1"), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
 class GracefulServer(uvicorn.Server):
     """uvicorn.Server whose SIGTERM/SIGINT drain and then return: uvicorn's own re-raises the signal
     once shut down, and the process would end with -15 instead of 0. A second Ctrl+C forces the exit."""
@@ -697,9 +714,8 @@ class GracefulServer(uvicorn.Server):
 def uvicorn_config(app, cfg: ServerConfig, log_level: str = "info"):
     """How `gpt2 serve` runs the app (tests run the same)."""
     return uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=log_level, access_log=False,
-                          http=functools.partial(SlowSenderTimeout, timeout=cfg.request_timeout),
-                          # uvicorn counts the connection asking, so N others open means N + 1
-                          limit_concurrency=cfg.max_connections + 1,
+                          http=functools.partial(SlowSenderTimeout, timeout=cfg.request_timeout,
+                                                 max_connections=cfg.max_connections),
                           timeout_graceful_shutdown=int(cfg.shutdown_timeout))
 
 
