@@ -339,11 +339,14 @@ def _copies(fmt, w, bias, tensors) -> list[dict]:
     n = max(1, min(64, math.ceil(2 * last_level_cache_bytes() / max(nbytes, 1))))
     # Each copy owns its storage: a format that keeps the weight as it is (float32 plain) would otherwise
     # hand back the same storage every time, which then stays in cache and times as ~4x faster. Plain
-    # tensors are cloned (packing again would quantize again); opaque ones (oneDNN's, an engine's packed
-    # object) are packed again, as a clone may not keep their layout.
+    # tensors are cloned (packing again would quantize again); an engine's packed object is made again
+    # from cloned q and scales (fmt.repack); oneDNN's opaque tensors are packed again, as a clone may
+    # not keep their layout.
     if all(_is_plain(t) for t in tensors.values()):
         return [tensors] + [{k: t.clone() if isinstance(t, torch.Tensor) else t for k, t in tensors.items()}
                             for _ in range(n - 1)]
+    if fmt.repack is not None:
+        return [tensors] + [fmt.repack(tensors) for _ in range(n - 1)]
     return [tensors] + [fmt.pack(w.clone(), bias.clone()) for _ in range(n - 1)]
 
 

@@ -235,6 +235,9 @@ class WeightFormat:
     # Another format whose pack makes the same tensors for the paths both have (the same function):
     # kernels.py checks and times such a path once, in that format, and reuses the result here.
     same_weights_as: str | None = None
+    # packed tensors -> a copy with its own storage, without quantizing again (kernels.py's cold copies);
+    # None: plain tensors are cloned, anything else is packed again
+    repack: Callable[[dict], dict] | None = None
 
 
 def _has(namespace, op: str) -> Callable[[], bool]:
@@ -250,9 +253,9 @@ def _int8_reference(w, t):
     return t["q"].double() * t["scales"].double()[:, None]
 
 
-def _pack_int8_engine(engine: str):
-    def pack(w, bias):
-        tensors = _pack_int8(w, bias)  # the same q and s, so every path of the format computes with one weight
+def _prepack_int8(engine: str):
+    """{q, scales, ...} -> the same and the engine's packed u8s8 weight, made from that q and s."""
+    def prepack(tensors):
         q, s = tensors["q"], tensors["scales"]
         with warnings.catch_warnings():
             # torch 2.13 warns that quantized tensor types are deprecated, on every load of an int8 model;
@@ -266,7 +269,18 @@ def _pack_int8_engine(engine: str):
         finally:
             torch.backends.quantized.engine = previous
         return {**tensors, "packed": _Packed(packed)}
-    return pack
+    return prepack
+
+
+def _pack_int8_engine(engine: str):
+    prepack = _prepack_int8(engine)
+    # the same q and s as _pack_int8, so every path of the format computes with one weight
+    return lambda w, bias: prepack(_pack_int8(w, bias))
+
+
+def _repack_int8_engine(engine: str):
+    prepack = _prepack_int8(engine)
+    return lambda t: prepack({k: v.clone() for k, v in t.items() if k != "packed"})
 
 
 def _engine_available(engine: str) -> Callable[[], bool]:
@@ -326,13 +340,15 @@ CPU_FORMATS: list[WeightFormat] = [
                   "dequant bf16": _int8_dequant_bf16},
                  dynamic_paths=("u8s8 dynamic", "u8s8 per row"), one_row_paths=("u8s8 dynamic",),
                  many_row_paths=("dequant bf16",),
-                 available=_engine_available("fbgemm"), same_weights_as="weight-only"),
+                 available=_engine_available("fbgemm"), same_weights_as="weight-only",
+                 repack=_repack_int8_engine("fbgemm")),
     WeightFormat("dynamic onednn", "int8", _pack_int8_engine("onednn"), _int8_reference,
                  {"u8s8 dynamic": _int8_dynamic, "u8s8 per row": _int8_dynamic_rows, "int8pack_mm": _int8pack,
                   "dequant bf16": _int8_dequant_bf16},
                  dynamic_paths=("u8s8 dynamic", "u8s8 per row"), one_row_paths=("u8s8 dynamic",),
                  many_row_paths=("dequant bf16",),
-                 available=_engine_available("onednn"), same_weights_as="weight-only"),
+                 available=_engine_available("onednn"), same_weights_as="weight-only",
+                 repack=_repack_int8_engine("onednn")),
     WeightFormat("int4pack", "int4", _pack_int4(packed=True, unpacked=False), _int4_reference,
                  {"int4pack_mm": _int4pack, "dequant bf16": _int4pack_dequant}, many_row_paths=("dequant bf16",),
                  available=_has("aten", "_weight_int4pack_mm_for_cpu")),
