@@ -20,7 +20,7 @@ and each of its paths is
 Per format, each regime takes its fastest path; the format kept is the one whose regimes are, summed,
 closest to the best of each (time / best time, added over the four regimes).
 
-What keeps measuring to seconds (124M on 2 cores: bf16 ~3 s, float32 ~6 s, int8 ~9 s, int4 ~6 s, or
+What keeps measuring to seconds (124M on 2 cores: bf16 ~3 s, float32 ~6 s, int8 ~8 s, int4 ~5 s, or
 ~1 s once an int8 plan has measured the lm_head both share): each regime is measured across every
 format before the next, so a path that provably cannot win is skipped (_may_win); a path two formats
 share on the same tensors is measured once (WeightFormat.same_weights_as); paths that dequantize the
