@@ -257,6 +257,22 @@ def test_quantized_copy_equals_apply_plan_and_leaves_the_model_alone(target):
         assert torch.equal(quantized_copy(reference, "int8")(ids), reference(ids))
 
 
+@pytest.mark.parametrize("precision,fmt", [("float32", "onednn"), ("float32", "onednn b8"), ("bfloat16", "onednn")])
+def test_a_model_packed_for_onednn_can_be_self_drafted(target, precision, fmt):
+    """oneDNN keeps only its packed layout; quantized_copy reads it back exactly (to_dense), so the int8
+    copy of a packed model equals the int8 copy of the plain one. An int4 model cannot be read back."""
+    plan = kernels.plan_for(target, precision)
+    plan.choices = {k: kernels.Choice(fmt, {r: "onednn" for r in kernels.REGIMES}, {}) for k in plan.choices}
+    packed = apply_plan(copy.deepcopy(target), plan)
+    reference = target if precision == "float32" else quantized_copy(target, "bfloat16")
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.inference_mode():
+        assert torch.equal(quantized_copy(packed, "int8")(ids), quantized_copy(reference, "int8")(ids))
+    int4 = apply_plan(copy.deepcopy(target), kernels.plan_for(target, "int4"))
+    with pytest.raises(ConfigError, match="cannot be read back"):
+        quantized_copy(int4, "int8")
+
+
 def test_a_self_draft_is_built_once_and_again_when_the_weights_change(target, monkeypatch):
     import gpt2.engine as engine
     built = []

@@ -488,8 +488,8 @@ def quantized_copy(model, precision: str):
     fastest here); `model` is untouched. The self-draft of speculative decoding.
 
     Float32 weights are shared, not copied, until each linear is packed. Packed linears (FastLinear) are
-    read back through their format's reference weights, so an int8 or bfloat16 model can be copied (its
-    float32 weights then exist at once, briefly); an int4 or float32-oneDNN one cannot.
+    read back through their format's reference weights, so a float32, bfloat16 or int8 model loaded for
+    inference can be copied (its float32 weights then exist at once, briefly); an int4 one cannot.
     """
     from gpt2.kernels import plan_for
     from gpt2.model import GPT
@@ -498,10 +498,11 @@ def quantized_copy(model, precision: str):
     for name, layer in model.named_modules():
         if isinstance(layer, FastLinear):
             args = layer.kernel_args
-            if layer.format.precision != "int8" and "weight" not in args:
+            try:
+                state[f"{name}.weight"] = layer.format.reference_weight(args.get("weight"), args).float()
+            except ValueError as e:
                 raise ConfigError(f"{name} is packed as {layer.format.precision} {layer.format.name}, whose weights "
-                                  f"cannot be read back; quantize the model before packing it")
-            state[f"{name}.weight"] = layer.format.reference_weight(args.get("weight"), args).float()
+                                  f"cannot be read back ({e}); quantize the model before packing it") from None
             if layer.bias is not None:
                 state[f"{name}.bias"] = layer.bias.float()
     with torch.device("meta"):

@@ -224,7 +224,9 @@ class WeightFormat:
     name: str
     precision: str
     pack: Callable[[torch.Tensor, "torch.Tensor | None"], dict]   # (w (N, K) float32, bias) -> tensors
-    reference_weight: Callable[[torch.Tensor, dict], torch.Tensor]  # (w float32, tensors) -> w it computes with, float64
+    # (w float32, tensors) -> the weight it computes with, float64. w is None when a packed layer is read
+    # back (engine.quantized_copy); a format that cannot do without it raises ValueError.
+    reference_weight: Callable[[torch.Tensor | None, dict], torch.Tensor]
     paths: dict[str, Path]
     dynamic_paths: tuple[str, ...] = ()   # paths that quantize x per token: a wider tolerance
     one_row_paths: tuple[str, ...] = ()   # paths that quantize a whole call with one scale: decode only
@@ -302,7 +304,13 @@ def _pack_int4(packed: bool, unpacked: bool):
     return pack
 
 
+def _onednn_reference(w, t):
+    return t["onednn"].to_dense().double()  # oneDNN's packed layout read back: exactly the weight it holds
+
+
 def _int4_reference(w, t):
+    if w is None:
+        raise ValueError("int4pack keeps only the kernel's packed nibbles")
     q, _ = quantize_int4_groups(w)  # deterministic: the q that pack stored
     N, K = q.shape
     sz = t["scales_zeros"].double().transpose(0, 1)  # (N, K/group, 2), as the kernel reads them (bf16)
@@ -313,12 +321,12 @@ CPU_FORMATS: list[WeightFormat] = [
     WeightFormat("plain", "float32", lambda w, b: {"weight": w.contiguous()}, lambda w, t: w.double(),
                  {"F.linear": _plain}),
     WeightFormat("onednn", "float32", lambda w, b: {"onednn": torch.ops.mkldnn._reorder_linear_weight(w, 1)},
-                 lambda w, t: w.double(), {"onednn": _onednn}, available=_has("mkldnn", "_reorder_linear_weight")),
+                 _onednn_reference, {"onednn": _onednn}, available=_has("mkldnn", "_reorder_linear_weight")),
     # The same kernel on the weight laid out for 8-row calls (oneDNN's batch-size hint). Measured on an AMD
     # EPYC (Zen 5), this layout was faster for float32 at every row count: 1 row 15-30% (768x3072: 279 vs
     # 196 us), 8 rows 2.5x, 128 rows 15-19%; for bf16 the hint made no difference.
     WeightFormat("onednn b8", "float32", lambda w, b: {"onednn": torch.ops.mkldnn._reorder_linear_weight(w, 8)},
-                 lambda w, t: w.double(), {"onednn": _onednn}, available=_has("mkldnn", "_reorder_linear_weight")),
+                 _onednn_reference, {"onednn": _onednn}, available=_has("mkldnn", "_reorder_linear_weight")),
     WeightFormat("mkl", "float32",
                  lambda w, b: {"weight": w.contiguous(), "mkl": torch.ops.mkl._mkl_reorder_linear_weight(w, 1)},
                  lambda w, t: w.double(), {"mkl": _mkl},
@@ -329,7 +337,7 @@ CPU_FORMATS: list[WeightFormat] = [
     # above offers the float32-GEMM path for CPUs whose bf16 GEMM is slow.
     WeightFormat("onednn", "bfloat16",
                  lambda w, b: {"onednn": torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), 1)},
-                 lambda w, t: w.to(torch.bfloat16).double(), {"onednn": _onednn},
+                 _onednn_reference, {"onednn": _onednn},
                  available=_has("mkldnn", "_reorder_linear_weight")),
     WeightFormat("weight-only", "int8", _pack_int8, _int8_reference,
                  {"int8pack_mm": _int8pack, "dequant bf16": _int8_dequant_bf16,
