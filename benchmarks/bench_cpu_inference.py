@@ -8,7 +8,9 @@
 
 Every contender runs in its own subprocess (a fresh process: no allocator or thread-pool state
 carried over), one after another, in an order rotated every round; the table gives medians over
-rounds. Weights are random (speed does not depend on them), GPT-2's shapes.
+rounds, then each precision's decode ratio to llama.cpp round by round (the two run back to back, in one
+state of a machine whose bandwidth drifts) and its median. Weights are random (speed does not depend on
+them), GPT-2's shapes.
   decode   a 16-token prompt, then N greedy steps; tok/s over the steps only (the prefill not counted)
   prefill  one 512-token forward keeping the last position's logits; tok/s = 512 / time
   batch 8  8 prompts decoded together (ours only): tok/s = 8 N / time over the steps
@@ -271,6 +273,14 @@ def speed(args, model_dir: Path, gguf_dir: Path, bandwidth: float, n_weights: in
             peer = med[f"llama.cpp {LLAMA[extra['precision']]}"]
             vs = f"{m['decode'] / peer['decode']:.2f}x | {m['prefill'] / peer['prefill']:.2f}x"
         print(f"| {name} | {m['decode']:.1f} | {roof} | {m['prefill']:.0f} | {b8} | {vs} |")
+    if not args.no_llama:
+        # Ours and llama.cpp at one precision run back to back in every round, so each round's ratio
+        # compares them in one state of the machine (its bandwidth drifts from minute to minute).
+        print("\nours / llama.cpp decode, round by round:")
+        for p in args.precisions:
+            pairs = zip(results[f"ours {p}"], results[f"llama.cpp {LLAMA[p]}"])
+            ratios = [ours["decode"] / peer["decode"] for ours, peer in pairs]
+            print(f"  {p}: " + ", ".join(f"{x:.2f}" for x in ratios) + f"; median {statistics.median(ratios):.2f}x")
 
 
 def quality(args, model_dir: Path, gguf_dir: Path) -> None:
