@@ -282,6 +282,7 @@ def test_a_self_draft_is_built_once_and_again_when_the_weights_change(target, mo
     first = generate(model, PROMPTS, max_new_tokens=6, draft="self:int8")
     assert generate(model, PROMPTS, max_new_tokens=6, draft="self:int8") == first and built == ["int8"]
     generate(model, PROMPTS, max_new_tokens=6, draft="self:int4")
+    generate(model, PROMPTS, max_new_tokens=6, draft="self:int8")  # both kept
     assert built == ["int8", "int4"]
     with torch.no_grad():
         model.transformer.h[0].mlp.c_fc.weight.mul_(-1)  # in place: the cached int4 copy is stale

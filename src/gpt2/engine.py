@@ -468,7 +468,8 @@ def resolve_draft(target, draft):
         weights = tuple((id(t), t._version) for t in (*target.parameters(), *target.buffers()))
         cached = _self_drafts.setdefault(target, {})
         if (weights, draft) not in cached:
-            cached.clear()  # copies of weights the target no longer has
+            for stale in [key for key in cached if key[0] != weights]:  # copies of weights the target no longer has
+                del cached[stale]
             cached[weights, draft] = quantized_copy(target, SELF_DRAFTS[draft])
         draft = cached[weights, draft]
     if not hasattr(draft, "config") or not hasattr(draft, "transformer"):
