@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from gpt2.errors import ConfigError
 from gpt2.lm_head import candidate_plans, choose_head_plan, grouped_plans
-from gpt2.kernels import CACHE_VERSION
+from gpt2.kernels import MEASUREMENT_CACHE_VERSION
 from gpt2.lm_head import HeadPlan, lm_head_cross_entropy
 
 ROWS, WIDTH, VOCAB = 70, 16, 37  # 70 rows: every chunk size leaves a ragged last chunk
@@ -101,12 +101,12 @@ def test_the_plan_is_measured_once_cached_reused_and_a_corrupt_cache_is_measured
     # Read back, not measured again: an edited entry is what the next run gets.
     other = HeadPlan("aten", 7, 14)
     entries = {k: {**v, "plan": str(other)} for k, v in json.loads(head_cache.read_text())["entries"].items()}
-    head_cache.write_text(json.dumps({"version": CACHE_VERSION, "entries": entries}))
+    head_cache.write_text(json.dumps({"version": MEASUREMENT_CACHE_VERSION, "entries": entries}))
     assert choose_head_plan(**shape)[0] == other and choose_head_plan(**shape)[1].startswith("cache")
     # Another shape or dtype is another entry.
     assert choose_head_plan(**{**shape, "dtype": "bfloat16"})[1].startswith("measured")
     # A corrupt cache: one warning, measured again, rewritten.
-    head_cache.write_text('{"version": %d, "entries": {"x": {"plan": "mkl:1"}}}' % CACHE_VERSION)
+    head_cache.write_text('{"version": %d, "entries": {"x": {"plan": "mkl:1"}}}' % MEASUREMENT_CACHE_VERSION)
     with caplog.at_level(logging.WARNING, logger="gpt2.kernels"):
         plan, why = choose_head_plan(**shape)
     assert why.startswith("measured") and len([r for r in caplog.records if "ignoring" in r.message]) == 1

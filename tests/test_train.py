@@ -26,7 +26,7 @@ import torch
 from gpt2 import GPT, GPTConfig
 from gpt2.data import DataLoader, write_shard
 from gpt2.errors import CheckpointError, ConfigError, DataError
-from gpt2.kernels import CACHE_VERSION
+from gpt2.kernels import MEASUREMENT_CACHE_VERSION
 from gpt2.train import LoopState, TrainConfig, TrainingDiverged, learning_rate, preset_configs, train
 from gpt2.weights import save_native
 
@@ -479,7 +479,7 @@ def test_dtype_auto_measures_records_and_a_resumed_run_keeps_it(corpus, tmp_path
     assert recorded == chosen
     # The cache now says the other dtype is faster; a resumed run still keeps the one it started with.
     other = "float32" if chosen == "bfloat16" else "bfloat16"
-    training_cache.write_text(json.dumps({"version": CACHE_VERSION, "entries": {
+    training_cache.write_text(json.dumps({"version": MEASUREMENT_CACHE_VERSION, "entries": {
         k: {**v, "dtype": other} for k, v in cached.items()}}))
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="gpt2.train"):
@@ -506,7 +506,8 @@ def test_lm_head_auto_measures_records_and_a_resumed_run_keeps_it(corpus, tmp_pa
     assert f"lm_head {chosen} (measured" in caplog.text.split("model: ", 1)[1].splitlines()[0]
     assert json.loads((tmp_path / "auto" / "train_config.json").read_text())["train"]["lm_head"] == chosen
     other = "aten:3:6"
-    head_cache.write_text(json.dumps({"version": CACHE_VERSION, "entries": {key: {**entry, "plan": other}}}))
+    head_cache.write_text(json.dumps({"version": MEASUREMENT_CACHE_VERSION,
+                                      "entries": {key: {**entry, "plan": other}}}))
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="gpt2.train"):
         train(dataclasses.replace(cfg, max_steps=15, resume=True), GPTConfig(**TINY_MODEL))

@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 CACHE_VERSION = 5  # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
                    # 4: the bf16 oneDNN format keeps only its packed weight (no float32-GEMM path);
                    # 5: entries keyed by the layer's own precision (int4 and int8 plans share the int8 lm_head)
+# The files cached_measurement keeps (training.json, lm_head.json) carry their own version: a change
+# to the kernel plans above leaves them valid.
+MEASUREMENT_CACHE_VERSION = 5
 ROWS = {"decode": 1, "batch": 8, "prefill": 128, "long": 512}  # the rows each regime is timed at
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2 ** -7, "int8": 2 ** -7, "int4": 2 ** -7}  # relative, see _check
 REPEATS = 5
@@ -213,14 +216,14 @@ def _entry_key(machine: dict, precision: str, out_features: int, in_features: in
             + f"|{shape_key(out_features, in_features, activation, precision, precision)}@{precision}")
 
 
-def _read_cache(path: Path, validate=lambda entry: Choice(**entry)) -> dict:
+def _read_cache(path: Path, validate=lambda entry: Choice(**entry), version: int = CACHE_VERSION) -> dict:
     """The cache's entries; {} (after one warning) for a corrupt or foreign file, which is then rewritten."""
     if not path.exists():
         return {}
     try:
         data = json.loads(path.read_text())
-        if data.get("version") != CACHE_VERSION or not isinstance(data.get("entries"), dict):
-            raise ValueError(f"cache version {data.get('version')!r}, this gpt2 reads version {CACHE_VERSION}")
+        if data.get("version") != version or not isinstance(data.get("entries"), dict):
+            raise ValueError(f"cache version {data.get('version')!r}, this gpt2 reads version {version}")
         for entry in data["entries"].values():
             validate(entry)  # every entry must have the expected fields
         return data["entries"]
@@ -229,10 +232,10 @@ def _read_cache(path: Path, validate=lambda entry: Choice(**entry)) -> dict:
         return {}
 
 
-def _write_cache(path: Path, entries: dict) -> None:
+def _write_cache(path: Path, entries: dict, version: int = CACHE_VERSION) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(path, {"version": CACHE_VERSION, "entries": entries})
+        atomic_write_json(path, {"version": version, "entries": entries})
     except OSError as e:  # a read-only home still runs; it measures again next time
         log.warning("could not write the kernel cache %s: %s", path, e)
 
@@ -241,12 +244,12 @@ def cached_measurement(name: str, key: dict, measure, validate=lambda entry: Non
     """measure() -> a JSON-able dict, once per machine and key (in NAME.json beside the kernel cache);
     afterwards read back. Returns (result, "measured" or "cache"). Training's dtype choice uses it."""
     path = default_cache_path().with_name(f"{name}.json")
-    entries = _read_cache(path, validate)
+    entries = _read_cache(path, validate, MEASUREMENT_CACHE_VERSION)
     full_key = json.dumps({**machine_key(), **key}, sort_keys=True)
     if full_key in entries:
         return entries[full_key], "cache"
     entries[full_key] = measure()
-    _write_cache(path, entries)
+    _write_cache(path, entries, MEASUREMENT_CACHE_VERSION)
     return entries[full_key], "measured"
 
 
