@@ -280,8 +280,12 @@ def measure_shape(precision: str, out_features: int, in_features: int, activatio
     b = bias.to(dtype)
     candidates, rejected = [], {}
     for fmt in formats_for(precision, "cpu"):
+        twin = next((c for c in candidates if c.format.name == fmt.same_weights_as), None)
         try:
-            tensors = fmt.pack(w, bias)
+            if twin is not None and fmt.repack is not None:  # the twin's quantized weight, packed for this format
+                tensors = fmt.repack(twin.tensors)
+            else:
+                tensors = fmt.pack(w, bias)
         except RuntimeError as e:
             rejected[fmt.name] = f"pack failed: {str(e).splitlines()[0][:120]}"
             continue
