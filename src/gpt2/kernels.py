@@ -196,13 +196,13 @@ def plan_for(model, precision: str, device_type: str | None = None, cache_path: 
     entries = _read_cache(cache_path)
     choices, missing = {}, []
     for key, shape in shapes.items():
-        if _entry_key(machine, *shape) in entries:
-            choices[key] = Choice(**entries[_entry_key(machine, *shape)])
+        entry = _entry_key(machine, *shape)
+        if entry in entries:
+            choices[key] = Choice(**entries[entry])
         else:
+            choices[key] = measure_shape(*shape)
+            entries[entry] = asdict(choices[key])
             missing.append(key)
-    for key in missing:
-        choices[key] = measure_shape(*shapes[key])
-        entries[_entry_key(machine, *shapes[key])] = asdict(choices[key])
     if missing:
         _write_cache(cache_path, entries)
     return Plan(precision, machine, choices, "measured" if missing else "cache")
@@ -264,6 +264,7 @@ class Candidate:
     tensors: dict
     copies: list[dict]
     expected: Expected
+    twin: WeightFormat | None  # the candidate format.same_weights_as names (measured before this one)
 
 
 @torch.inference_mode()
@@ -292,7 +293,8 @@ def measure_shape(precision: str, out_features: int, in_features: int, activatio
         expected = Expected(fmt.reference_weight(w, tensors), b.double(), activation, precision)
         # Formats computing with one weight (int8's three) share one: its products are the costly part of a check.
         expected = next((c.expected for c in candidates if c.expected.same_as(expected)), expected)
-        candidates.append(Candidate(fmt, tensors, _copies(fmt, w, bias, tensors), expected))
+        candidates.append(Candidate(fmt, tensors, _copies(fmt, w, bias, tensors), expected,
+                                    None if twin is None else twin.format))
     timings = {}  # format -> path -> regime -> us
     considered = set()  # (format, path, regime) decided: timed, rejected or skipped
     for regime in REGIMES:
@@ -306,7 +308,7 @@ def measure_shape(precision: str, out_features: int, in_features: int, activatio
                     continue
                 considered.add((fmt.name, name, regime))
                 times = timings.get(fmt.name, {}).get(name, {})
-                twin = _twin(fmt, name)
+                twin = c.twin.name if c.twin is not None and c.twin.paths.get(name) is path else None
                 if twin is not None and (twin, name, regime) in considered and name != first:
                     # the same kernel on the same tensors, decided in the twin format: reuse its result
                     why = rejected.get(f"{twin}/{name}")
@@ -331,13 +333,6 @@ def measure_shape(precision: str, out_features: int, in_features: int, activatio
     if not timings:
         raise RuntimeError(f"no {precision} kernel passed its check for {out_features}x{in_features}: {rejected}")
     return _choose(timings, rejected)
-
-
-def _twin(fmt, name: str) -> str | None:
-    """The format fmt.same_weights_as, when it has path `name` too (the same function): it packs the
-    same tensors, so the path computes and costs there what it does here."""
-    twin = next((f for f in formats_for(fmt.precision, "cpu") if f.name == fmt.same_weights_as), None)
-    return twin.name if twin is not None and twin.paths.get(name) is fmt.paths[name] else None
 
 
 def _copies(fmt, w, bias, tensors) -> list[dict]:
