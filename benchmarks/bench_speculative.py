@@ -8,12 +8,15 @@ Cases:
         weights in int4 (engine.quantized_copy). One float32 model is built once: the bf16 target and the
         int4 draft are packed from it, then it is packed in place as the float32 target (one at a time:
         gpt2-xl is 6.2 GB in float32).
-  pair  a small draft (the quickstart recipe, 4 x 96) and a wider target (6 x 384) trained on the same
-        Shakespeare data, a few minutes each (cached under the kernel cache's folder, trained if missing):
-        random weights make a separate draft's acceptance meaningless.
+  pair  a small draft (the quickstart recipe, 4 x 96, for its 4.5 minutes) and a wider target (6 x 384,
+        --target-minutes, at half the lr) trained on the same Shakespeare data (cached under the kernel
+        cache's folder, keyed by shape, minutes and lr; trained if missing, ~17 minutes once): random
+        weights make a separate draft's acceptance meaningless. The target needs its longer budget to
+        predict as well as the draft (a wide model sees fewer tokens per second): in 3 minutes at the
+        quickstart's lr it only repeated " the". Target float32, draft --pair-draft-dtype (int8).
 
-Every round runs each contender once, in turn (plain; speculative with adaptive k; speculative with k
-fixed), so load from other processes hits them alike; the table reports medians over rounds, tok/s =
+Every round runs each contender once, in turn (plain; speculative with adaptive k; speculative with each
+--fixed-k), so load from other processes hits them alike; the table reports medians over rounds, tok/s =
 new tokens / wall time of the whole generate call (a 16-token prompt's prefill included), the draft's
 acceptance rate, target forwards per token, the speed-up over plain, and whether the output equals
 plain greedy token for token (it must).
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
 import time
 from pathlib import Path
@@ -41,9 +45,10 @@ def run(model, prompt, n, **options):
     return out, time.perf_counter() - t, steps.speculation
 
 
-def compare(name: str, target, draft, prompt, n: int, rounds: int, k: int) -> None:
-    contenders = {"plain": {}, f"speculative, adaptive k from {k}": dict(draft=draft, draft_tokens=k),
-                  f"speculative, k = {k} fixed": dict(draft=draft, draft_tokens=k, adaptive_draft=False)}
+def compare(name: str, target, draft, prompt, n: int, rounds: int, k: int, fixed_k: list[int]) -> None:
+    contenders = {"plain": {}, f"speculative, adaptive k from {k}": dict(draft=draft, draft_tokens=k)}
+    contenders.update({f"speculative, k = {f} fixed": dict(draft=draft, draft_tokens=f, adaptive_draft=False)
+                       for f in fixed_k})
     run(target, prompt, 4)  # warm-up: first calls pay for allocation and kernel setup
     run(target, prompt, 4, draft=draft, draft_tokens=k)
     times = {c: [] for c in contenders}
@@ -80,35 +85,42 @@ def xl_case(args) -> None:
     print(f"\ngpt2-xl random weights built and the int4 draft packed in {time.perf_counter() - t:.0f} s")
     prompt = torch.randint(0, model.config.vocab_size, (16,), generator=torch.Generator().manual_seed(0)).tolist()
     target = quantized_copy(model, "bfloat16")
-    compare("gpt2-xl bfloat16, int4 self-draft", target, draft, prompt, args.tokens, args.rounds, args.k)
+    compare("gpt2-xl bfloat16, int4 self-draft", target, draft, prompt, args.tokens, args.rounds, args.k, args.fixed_k)
     del target
     gc.collect()
     target = apply_plan(model, plan_for(model, "float32"))  # in place: no second float32 copy
-    compare("gpt2-xl float32, int4 self-draft", target, draft, prompt, args.tokens, args.rounds, args.k)
+    compare("gpt2-xl float32, int4 self-draft", target, draft, prompt, args.tokens, args.rounds, args.k, args.fixed_k)
     del target, model, draft
     gc.collect()
 
 
 PAIR = {"draft": dict(n_layer=4, n_head=4, n_embd=96),    # the quickstart recipe
         "target": dict(n_layer=6, n_head=6, n_embd=384)}  # the same recipe, wider and deeper
+TARGET_LR = 5e-4
 
 
 def trained(role: str, args) -> Path:
-    """The run directory of the pair's `role`, trained on args.data for args.train_minutes if not cached."""
+    """The run directory of the pair's `role`, trained on args.data if not cached: the draft for the
+    quickstart preset's own budget, the target for args.target_minutes."""
     import dataclasses
 
     from gpt2.train import preset_configs, train
-    out = default_cache_path().parent / "bench_speculative" / role
+    # The wider target learns faster at half the quickstart's lr: 3.5-minute probes of 6 x 384 reached
+    # val 5.41 at lr 5e-4 against 5.69 at 1e-3 (embeddings at 2x) and a slower curve at 1e-3 (BENCHMARKS.md).
+    overrides = dict(max_minutes=args.target_minutes, lr=TARGET_LR) if role == "target" else {}
+    cfg = preset_configs("quickstart", **overrides)[0]
+    shape = PAIR[role]
+    out = (default_cache_path().parent / "bench_speculative"
+           / f"{role}-{shape['n_layer']}x{shape['n_embd']}-{cfg.max_minutes:g}min-lr{cfg.lr:g}")
     if (out / "LATEST").exists():
         return out
     data = Path(args.data)
     if not data.exists():
         from gpt2.data import PrepareConfig, prepare
         prepare(PrepareConfig(inputs=["shakespeare"], out_dir=str(data)))
-    cfg, model_config = preset_configs("quickstart", data=str(data), out=str(out), max_minutes=args.train_minutes,
-                                       progress=False)
-    model_config = dataclasses.replace(model_config, **PAIR[role])
-    print(f"training the {role} ({PAIR[role]}) for {args.train_minutes} min into {out}", flush=True)
+    cfg, model_config = preset_configs("quickstart", data=str(data), out=str(out), progress=False, **overrides)
+    model_config = dataclasses.replace(model_config, **shape)
+    print(f"training the {role} ({shape}) for {cfg.max_minutes:g} min at lr {cfg.lr:g} into {out}", flush=True)
     summary = train(cfg, model_config)
     print(f"  {role}: {summary}", flush=True)
     return out
@@ -118,12 +130,15 @@ def pair_case(args) -> None:
     from gpt2.quantize import load_for_inference
     from gpt2.tokenizer import Tokenizer
     paths = {role: trained(role, args) for role in PAIR}
+    for role, path in paths.items():
+        last = json.loads((path / "metrics.jsonl").read_text().splitlines()[-1])
+        print(f"  {role} {PAIR[role]}: step {last['step']}, val loss {last['val_loss']:.3f} ({path})")
     target = load_for_inference(paths["target"], "float32", device="cpu")
-    draft = load_for_inference(paths["draft"], "float32", device="cpu")
+    draft = load_for_inference(paths["draft"], args.pair_draft_dtype, device="cpu")
     prompt = Tokenizer.gpt2().encode("ROMEO:\nWhat light through yonder window breaks? It is")
     n = min(args.tokens * 2, target.config.n_positions - len(prompt))
-    compare(f"trained pair float32: target {PAIR['target']}, draft {PAIR['draft']}", target, draft, prompt,
-            n, args.rounds, args.k)
+    compare(f"trained pair: target {PAIR['target']} float32, draft {PAIR['draft']} {args.pair_draft_dtype}",
+            target, draft, prompt, n, args.rounds, args.k, args.fixed_k)
 
 
 def main() -> None:
@@ -131,8 +146,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per gpt2-xl call (twice that for the pair)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("-k", type=int, default=4, help="draft tokens per round (the adaptive one's start)")
+    parser.add_argument("--fixed-k", type=int, nargs="+", default=[2, 4], help="fixed draft lengths to time")
+    # The 4 x 96 draft's step is per-op overhead and its 50,257-wide lm_head: int8 halves the bytes that
+    # lm_head reads and proposes the same greedy ids here (acceptance equal to float32's).
+    parser.add_argument("--pair-draft-dtype", default="int8", choices=["float32", "bfloat16", "int8", "int4"])
     parser.add_argument("--data", default="data/shakespeare", help="token shards (gpt2 prepare shakespeare)")
-    parser.add_argument("--train-minutes", type=float, default=3.0)
+    parser.add_argument("--target-minutes", type=float, default=12.0,
+                        help="the pair's target's training budget (the draft takes the quickstart preset's)")
     parser.add_argument("--skip-xl", action="store_true")
     parser.add_argument("--skip-pair", action="store_true")
     args = parser.parse_args()

@@ -292,6 +292,20 @@ def test_int8_paths_shared_by_formats_are_measured_once(monkeypatch):
             assert not {"decode", "batch"} & set(paths["dequant bf16"])
 
 
+def test_int8_formats_build_one_float64_reference(monkeypatch):
+    """The engines' weights are packed from the weight-only format's q and scales, so its float64
+    reference serves all three (at the lm_head each costs ~0.5 s); the checks still run per path."""
+    import dataclasses
+
+    from gpt2 import quantize
+    built = []
+    formats = [dataclasses.replace(f, reference_weight=lambda w, t, real=f.reference_weight: built.append(1) or real(w, t))
+               if f.precision == "int8" else f for f in quantize.CPU_FORMATS]
+    monkeypatch.setattr(quantize, "CPU_FORMATS", formats)
+    choice = kernels.measure_shape("int8", 96, 64, None)
+    assert len(built) == 1 and len(choice.timings_us) == len(formats_for("int8"))
+
+
 def test_an_int4_plan_reuses_the_int8_lm_head_an_int8_plan_measured(monkeypatch):
     measured = []
     real = kernels.measure_shape

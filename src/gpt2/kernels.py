@@ -290,9 +290,12 @@ def measure_shape(precision: str, out_features: int, in_features: int, activatio
         except RuntimeError as e:
             rejected[fmt.name] = f"pack failed: {str(e).splitlines()[0][:120]}"
             continue
-        expected = Expected(fmt.reference_weight(w, tensors), b.double(), activation, precision)
-        # Formats computing with one weight (int8's three) share one: its products are the costly part of a check.
-        expected = next((c.expected for c in candidates if c.expected.same_as(expected)), expected)
+        if twin is not None and fmt.repack is not None:
+            expected = twin.expected  # the twin's q and scales, cloned: the same weight, by construction
+        else:
+            expected = Expected(fmt.reference_weight(w, tensors), b.double(), activation, precision)
+            # Formats computing with one weight (int8's three) share one: its products are the costly part of a check.
+            expected = next((c.expected for c in candidates if c.expected.same_as(expected)), expected)
         candidates.append(Candidate(fmt, tensors, _copies(fmt, w, bias, tensors), expected,
                                     None if twin is None else twin.format))
     timings = {}  # format -> path -> regime -> us
