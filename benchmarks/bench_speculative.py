@@ -28,6 +28,7 @@ import argparse
 import gc
 import json
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -139,6 +140,47 @@ def pair_case(args) -> None:
     n = min(args.tokens * 2, target.config.n_positions - len(prompt))
     compare(f"trained pair: target {PAIR['target']} float32, draft {PAIR['draft']} {args.pair_draft_dtype}",
             target, draft, prompt, n, args.rounds, args.k, args.fixed_k)
+    serve_case(target, draft, prompt, n, args)
+
+
+def serve_scheduled(scheduler, prompt, n: int) -> tuple[list[int], float]:
+    """(new ids, seconds) of one lone greedy request through the server's scheduler."""
+    from gpt2.batching import Continuation
+    ids, done = [], threading.Event()
+    seq = Continuation(prompt=prompt, max_new_tokens=n, stop_token_ids=frozenset(),
+                       emit=lambda ev: ids.append(ev[1]) if ev[0] == "token" else done.set() if ev[0] == "done" else None)
+    t = time.perf_counter()
+    scheduler.submit([seq])
+    done.wait()
+    return ids, time.perf_counter() - t
+
+
+def serve_case(target, draft, prompt, n: int, args) -> None:
+    """The pair through `gpt2 serve`'s scheduler (batching.Scheduler; no HTTP): a lone greedy request,
+    with and without --draft."""
+    from gpt2.batching import Scheduler
+    schedulers = {"serve, no draft": Scheduler(target).start(),
+                  f"serve --draft, adaptive k from {args.k}": Scheduler(target, draft=draft, draft_tokens=args.k).start()}
+    schedulers.update({f"serve --draft, k = {k} fixed": Scheduler(target, draft=draft, draft_tokens=k,
+                                                                  adaptive_draft=False).start() for k in args.fixed_k})
+    try:
+        for s in schedulers.values():
+            serve_scheduled(s, prompt, 4)  # warm-up
+        times, outputs = {name: [] for name in schedulers}, {}
+        for _ in range(args.rounds):
+            for name, s in schedulers.items():
+                outputs[name], seconds = serve_scheduled(s, prompt, n)
+                times[name].append(seconds)
+    finally:
+        for s in schedulers.values():
+            s.stop()
+    plain_s = statistics.median(times["serve, no draft"])
+    print(f"\nthe same pair through gpt2 serve's scheduler, one request at a time: {n} new tokens, median of {args.rounds}")
+    for name, s in schedulers.items():
+        stats = s.speculation
+        acc = f"{stats.acceptance_rate:8.1%}" if stats.proposed else f"{'-':>8s}"
+        print(f"  {name:40s} {n / statistics.median(times[name]):7.2f} tok/s {plain_s / statistics.median(times[name]):5.2f}x"
+              f" {acc}  equals no draft: {outputs[name] == outputs['serve, no draft']}")
 
 
 def main() -> None:

@@ -25,8 +25,10 @@ EOT = 50256
 
 @pytest.fixture(scope="module")
 def model():
+    # initializer_range 0.1, not GPT-2's 0.02: at 0.02 a model this small greedy-decodes one token over and
+    # over, whatever its cache holds, so a greedy comparison could not fail.
     torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, n_positions=N_POSITIONS)).eval()
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, n_positions=N_POSITIONS, initializer_range=0.1)).eval()
 
 
 class CountingModel:
@@ -396,3 +398,103 @@ def test_stats_report_queue_rows_and_kv_bytes(model):
     stats = sched.stats()
     assert stats["running"] == 0 and stats["queue_depth"] == 0
     assert stats["prefix_cache_bytes"] == 3 * 30 * per_position
+
+
+# ---------------------------------------------------------------------------------------------
+# speculative decoding for a lone greedy sequence
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def other_model():
+    torch.manual_seed(1)
+    return GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, n_positions=N_POSITIONS, initializer_range=0.1)).eval()
+
+
+def naive(model, prompt: list[int], n: int) -> list[int]:
+    return generate_naive(model, [prompt], max_new_tokens=n)[0]
+
+
+@pytest.mark.parametrize("draft_name", ["itself", "another model"])
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_a_lone_greedy_sequence_speculates_and_decodes_what_plain_decoding_does(model, other_model, draft_name, k):
+    """A draft that always agrees (the target itself: every draft kept) and one that never does (another
+    random model: every round keeps the target's own token) both give generate_naive's tokens; a stop
+    id inside an accepted run ends the sequence there."""
+    draft = model if draft_name == "itself" else other_model
+    prompt = random_prompt(9, 11)
+    plain = naive(model, prompt, 40)
+    stop = plain[13]
+    expected = plain[:plain.index(stop)]
+    sched = Scheduler(model, max_batch=4, initial_capacity=16, prefix_cache=False, draft=draft, draft_tokens=k)
+    out = {}
+    stopping = Continuation(prompt=prompt, max_new_tokens=40, emit=collect(out, "stop"), stop_token_ids=frozenset({stop}))
+    record = collect(out, "all")
+
+    def then_the_stopping_one(ev):
+        record(ev)
+        if ev[0] == "done":
+            sched.submit([stopping])  # alone too, after the first one finished
+    first = Continuation(prompt=prompt, max_new_tokens=40, emit=then_the_stopping_one)
+    run(sched, [first, stopping], first=[first])
+    assert out["all"] == plain and out["stop"] == expected
+    stats = sched.speculation
+    assert stats.rounds > 0 and stats.proposed > 0
+    if draft_name == "itself":
+        assert stats.accepted >= 0.9 * stats.proposed and sched.steps < 2 * len(plain) / min(k + 1, 4)
+    else:
+        assert stats.accepted < stats.proposed
+
+
+def test_a_second_sequence_ends_speculation_and_every_sequence_stays_exact(model):
+    """A lone greedy sequence speculates; others join (one sampled with a seed, which never speculates)
+    and the batch decodes step by step; alone again, it speculates again: all three exact."""
+    prompts = {"lone": random_prompt(12, 21), "greedy": random_prompt(30, 22), "sampled": random_prompt(5, 23)}
+    sched = Scheduler(model, max_batch=4, initial_capacity=16, prefill_chunk=8, draft=model, draft_tokens=3)
+    out, rounds = {}, {}
+    seqs = {"lone": Continuation(prompt=prompts["lone"], max_new_tokens=80, emit=collect(out, "lone")),
+            "greedy": Continuation(prompt=prompts["greedy"], max_new_tokens=12, emit=collect(out, "greedy")),
+            "sampled": Continuation(prompt=prompts["sampled"], max_new_tokens=9, emit=collect(out, "sampled"),
+                                    sampling=SamplingConfig(temperature=1.0, top_p=0.9), seed=5)}
+
+    def lone(ev, record=seqs["lone"].emit):
+        record(ev)
+        if ev[0] == "token" and len(out["lone"]) == 10:
+            rounds["joined"] = sched.speculation.rounds
+            sched.submit([seqs["greedy"], seqs["sampled"]])
+    seqs["lone"].emit = lone
+
+    def greedy(ev, record=seqs["greedy"].emit):
+        record(ev)
+        if ev[0] == "done":
+            rounds["left"] = sched.speculation.rounds
+    seqs["greedy"].emit = greedy
+    run(sched, list(seqs.values()), first=[seqs["lone"]])
+    assert out["lone"] == naive(model, prompts["lone"], 80)
+    assert out["greedy"] == naive(model, prompts["greedy"], 12)
+    assert out["sampled"] == reference(model, seqs["sampled"])
+    assert 0 < rounds["joined"] and rounds["left"] < sched.speculation.rounds  # before, and again after
+
+
+def test_sampled_and_logprob_sequences_never_speculate(model):
+    """A seeded sample must draw the same tokens alone as in a batch; a logprob entry per token comes
+    from a one-position forward. Neither speculates, and both stay exact."""
+    sched = Scheduler(model, max_batch=2, initial_capacity=16, draft=model)
+    out = {}
+    sampled = Continuation(prompt=random_prompt(6, 31), max_new_tokens=20, emit=collect(out, "sampled"),
+                           sampling=SamplingConfig(temperature=0.9), seed=3)
+    run(sched, [sampled])
+    assert sched.speculation.rounds == 0 and out["sampled"] == reference(model, sampled)
+    sched = Scheduler(model, max_batch=2, initial_capacity=16, draft=model)
+    entries = []
+    with_logprobs = Continuation(prompt=random_prompt(6, 32), max_new_tokens=10, logprobs=2,
+                                 emit=lambda ev: entries.append(ev) if ev[0] == "token" else None)
+    run(sched, [with_logprobs])
+    assert sched.speculation.rounds == 0
+    assert [ev[1] for ev in entries] == naive(model, with_logprobs.prompt, 10)
+
+
+def test_a_draft_of_another_vocabulary_is_refused(model):
+    from gpt2.errors import ConfigError
+    small = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, n_positions=64, vocab_size=1000))
+    with pytest.raises(ConfigError, match="vocabulary"):
+        Scheduler(model, draft=small)

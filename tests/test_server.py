@@ -66,10 +66,10 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(model, tok, **overrides):
+def running_server(model, tok, draft=None, **overrides):
     """uvicorn in a thread on a free loopback port; yields url, port and the scheduler."""
     cfg = ServerConfig(**{"model": "tiny", "port": free_port(), "shutdown_timeout": 5, **overrides})
-    app = create_app(model, tok, cfg)
+    app = create_app(model, tok, cfg, draft=draft)
     port = cfg.port
     server = uvicorn.Server(uvicorn_config(app, cfg, log_level="warning"))  # as `gpt2 serve` runs it
     thread = threading.Thread(target=server.run, daemon=True)
@@ -627,3 +627,36 @@ def test_sigterm_lets_in_flight_requests_finish(model_dir, model, tok):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+# ---------------------------------------------------------------------------------------------
+# speculative decoding (gpt2 serve --draft)
+# ---------------------------------------------------------------------------------------------
+
+def test_serve_with_a_draft_speculates_for_a_lone_greedy_request(model_dir, tok):
+    """Through the official client: greedy completions equal the model's own greedy output, and the
+    scheduler ran speculative rounds for them (a self:int8 draft, as `gpt2 serve --draft self:int8` loads
+    it); a sampled request does not speculate and stays exact."""
+    from gpt2.quantize import load_draft
+    torch.manual_seed(0)  # initializer_range 0.1: this small a model at 0.02 repeats one token whatever it sees
+    lively = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, n_positions=N_POSITIONS, initializer_range=0.1)).eval()
+    directory = model_dir.parent / "lively"
+    lively.save_pretrained(str(directory))
+    draft = load_draft("self:int8", str(directory), "float32")
+    assert any(type(m).__name__ == "FastLinear" for m in draft.modules())
+    with running_server(lively, tok, draft=draft, draft_tokens=3) as srv:
+        for prompt in PROMPTS[:2]:
+            got = client(srv).completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0)
+            assert got.choices[0].text == reference(lively, tok, prompt, 30)
+        rounds = srv.scheduler.speculation.rounds
+        assert rounds > 0 and srv.scheduler.speculation.proposed > 0
+        got = client(srv).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=1.0, seed=4)
+        assert got.choices[0].text == reference(lively, tok, PROMPTS[0], 12, temperature=1.0, seed=4)
+        assert srv.scheduler.speculation.rounds == rounds
+
+
+def test_serve_parses_its_draft_options():
+    from gpt2.cli import build_parser
+    args = build_parser().parse_args(["serve", "--model", "m", "--draft", "self:int4", "--draft-tokens", "6",
+                                      "--fixed-draft-tokens"])
+    assert (args.draft, args.draft_tokens, args.fixed_draft_tokens, args.draft_dtype) == ("self:int4", 6, True, None)

@@ -22,7 +22,13 @@ The scheduler thread is the only one that runs the model. Each turn of its loop:
      is done, its sequences sample their first tokens and join the shared batch: a BatchKV
      (kv_cache.py), which owns the storage geometry (rows right-aligned at one write position, masked
      to the left like left padding; shifts, compaction, growth within a byte budget).
-  3. decode a step: one forward feeds every row's last token.
+  3. decode a step: one forward feeds every row's last token. With a draft model, a greedy sequence
+     decoding alone (one row, no prefill, nobody waiting) runs a speculative round instead
+     (engine.Speculation over the lone BatchKV row and the sequence's own draft cache): its output is
+     the same token for token, and it returns to plain steps as soon as another sequence arrives.
+     Sampled sequences never speculate: a seeded one would draw other tokens alone than in a batch.
+     The draft's caches are outside `max_kv_mb` (a draft is small; a self-draft's cache is the
+     target's size).
   4. drop finished rows and prefills (stop ids, length, cancel).
   5. shrink: after `idle_shrink_s` with nothing to do, the batch's storage is freed.
 
@@ -43,9 +49,10 @@ from dataclasses import dataclass, field
 import torch
 
 from gpt2.config import GPT2_EOT
+from gpt2.engine import DraftLength, Speculation, SpeculationStats, resolve_draft
 from gpt2.errors import ContextLengthError, GPT2Error, KVLimitExceeded
 from gpt2.kv_cache import BatchKV, KVCache
-from gpt2.sampling import SamplingConfig, SamplingState, make_generators, next_tokens
+from gpt2.sampling import SamplingConfig, SamplingState, accept_drafts, make_generators, next_tokens
 
 __all__ = ["Continuation", "KVLimitExceeded", "PrefixCache", "QueueFull", "Scheduler", "SchedulerClosed"]
 
@@ -85,6 +92,7 @@ class Continuation:
     _next: int | None = None                         # the sampled id the next decode step feeds
     _state: SamplingState | None = None
     _generator: torch.Generator | None = None
+    _speculation: object = None                      # engine.Speculation, with a draft and greedy sampling
 
     @property
     def max_positions(self) -> int:
@@ -186,9 +194,9 @@ class Scheduler:
 
     def __init__(self, model, max_batch: int = 16, max_queue: int = 64, initial_capacity: int = 128, *,
                  prefill_chunk: int = 256, prefix_cache: bool = True, max_kv_mb: float | None = None,
-                 idle_shrink_s: float = 5.0):
-        if max_batch < 1 or max_queue < 0 or prefill_chunk < 0:
-            raise ValueError("max_batch must be >= 1, max_queue >= 0 and prefill_chunk >= 0")
+                 idle_shrink_s: float = 5.0, draft=None, draft_tokens: int = 4, adaptive_draft: bool = True):
+        if max_batch < 1 or max_queue < 0 or prefill_chunk < 0 or draft_tokens < 1:
+            raise ValueError("max_batch and draft_tokens must be >= 1, max_queue >= 0 and prefill_chunk >= 0")
         if max_kv_mb is not None and max_kv_mb <= 0:
             raise ValueError("max_kv_mb must be positive")
         self.model = model.eval()
@@ -217,6 +225,10 @@ class Scheduler:
         self.steps = 0                              # decode steps run (shared by all rows)
         self.tokens = 0                             # tokens generated, all sequences
         self.prefill_tokens = 0                     # prompt tokens run through the model
+        # speculation for a lone greedy sequence (the module docstring); draft: a GPT or "self:int8" / "self:int4"
+        self.draft = None if draft is None else resolve_draft(self.model, draft)
+        self.draft_tokens, self.adaptive_draft = draft_tokens, adaptive_draft
+        self.speculation = SpeculationStats()       # rounds run, drafts proposed and kept, all sequences
         self.error: BaseException | None = None
 
     # -- public, thread-safe -------------------------------------------------------------------
@@ -381,7 +393,7 @@ class Scheduler:
 
     def _decode_step(self) -> None:
         """Every row's last token at column pos: model(ids (B, 1), attention_mask (B, pos + 1))."""
-        if not self._rows:
+        if not self._rows or self._speculate_alone():
             return
         self.kv.max_bytes = self._batch_budget()
         mask = self.kv.decode_mask()
@@ -391,6 +403,38 @@ class Scheduler:
         for i, s in enumerate(self._rows):
             if s._cancel is None:
                 s._next = self._sample(s, logits[i:i + 1])
+                if s._next is not None and s._speculation is not None:
+                    s._speculation.extend(s._next)  # committed without the draft: it catches up when alone
+
+    def _speculate_alone(self) -> bool:
+        """One speculative round for a lone greedy row, instead of a decode step; False where none applies."""
+        if len(self._rows) != 1 or self._prefills or self._waiting:
+            return False
+        s = self._rows[0]
+        spec = s._speculation
+        k = 0 if spec is None or s._cancel is not None else spec.draft_length()
+        if k < 1:
+            return False
+        with self._cond:
+            self.kv.max_bytes = self._batch_budget()
+            try:
+                spec.target_cache = self.kv.lone_row(extra=k + 1)  # column 0 on, room for the verify
+            except KVLimitExceeded:
+                return False
+        drafts, _ = spec.propose(k)                                             # (1, k)
+        accepted, next_id = accept_drafts(spec.verify(drafts), None, drafts, s.sampling)  # greedy
+        kept = spec.keep(drafts, accepted, next_id, torch.ones(1, dtype=torch.bool))     # (1, n + 1)
+        spec.commit(kept, proposed=k)  # the target's cache (the row) and the draft's roll back
+        self.kv.mark_lone_row()
+        self.steps += 1
+        self.speculation.rounds += 1
+        self.speculation.proposed += k
+        self.speculation.accepted += kept.size(1) - 1
+        for t in kept[0].tolist():
+            s._next = self._take_token(s, t, None)
+            if s._next is None:
+                break
+        return True
 
     def _drop_finished(self) -> None:
         """Rows that finished or were cancelled leave (the last row moves into each freed slot); cancelled
@@ -470,6 +514,8 @@ class Scheduler:
             s._generator = None if s.sampling.greedy else make_generators(s.seed, 1, self.device)
             s._next = self._sample(s, p.logits)  # sampling is pure: p.logits is never modified
             if s._next is not None:
+                s._speculation = self._speculation_for(s)
+            if s._next is not None:
                 with self._cond:
                     self.kv.max_bytes = self._batch_budget()
                     self.kv.insert(p.cache)
@@ -544,6 +590,18 @@ class Scheduler:
             seq.finish_reason = reason
             self._emit(seq, ("done", reason))
 
+    def _speculation_for(self, seq: Continuation) -> Speculation | None:
+        """seq's speculation state (its committed ids, its draft cache), if it may ever speculate."""
+        if (self.draft is None or not seq.sampling.greedy or seq.logprobs is not None
+                or seq.max_positions - 1 > self.draft.config.n_positions):
+            return None
+        ids = torch.zeros(1, seq.max_positions, dtype=torch.long, device=self.device)
+        ids[0, :len(seq.prompt)] = torch.tensor(seq.prompt)
+        ids[0, len(seq.prompt)] = seq._next
+        return Speculation(self.model, self.draft, ids, len(seq.prompt) + 1, len(seq.prompt), self.kv,
+                           KVCache.for_model(self.draft, 1, seq.max_positions - 1), seq._state, seq.sampling,
+                           DraftLength(self.draft_tokens, self.adaptive_draft))
+
     def _sample(self, seq: Continuation, logits: torch.Tensor) -> int | None:
         """Sample seq's next id from its logits (1, V), emit it; None (and finished) on a stop id or the limit."""
         state = seq._state
@@ -551,6 +609,10 @@ class Scheduler:
         state.record(ids)
         t = int(ids[0])
         entry = None if seq.logprobs is None else logprob_entries(logits, [t], seq.logprobs)[0]
+        return self._take_token(seq, t, entry)
+
+    def _take_token(self, seq: Continuation, t: int, entry) -> int | None:
+        """Emit seq's next id t (its sampling state has recorded it); None (and finished) on a stop id or the limit."""
         if t in seq.stop_token_ids:
             if entry is not None:
                 self._emit(seq, ("stop_token", t, entry))

@@ -380,17 +380,13 @@ def add_generate_parser(sub):
 
 def cmd_generate(args):
     from gpt2.config import require_gpt2_vocab
-    from gpt2.engine import SELF_DRAFTS, make_config
-    from gpt2.quantize import load_for_inference
+    from gpt2.engine import make_config
+    from gpt2.quantize import load_draft, load_for_inference
     from gpt2.tokenizer import Tokenizer
     model = load_for_inference(args.model, dtype=args.dtype, device=args.device, verbose=args.verbose)
     require_gpt2_vocab(model.config, args.model)
-    draft = args.draft
-    if draft is not None and draft not in SELF_DRAFTS:
-        draft = load_for_inference(draft, dtype=args.draft_dtype or args.dtype, device=args.device,
-                                   verbose=args.verbose)
-    elif draft is not None:  # the same checkpoint again, packed at the draft's precision
-        draft = load_for_inference(args.model, dtype=SELF_DRAFTS[draft], device=args.device, verbose=args.verbose)
+    draft = None if args.draft is None else load_draft(args.draft, args.model, args.draft_dtype or args.dtype,
+                                                       device=args.device, verbose=args.verbose)
     tok = Tokenizer.from_pretrained(args.model)
     prompt = sys.stdin.read() if args.stdin else args.prompt
     cfg = make_config(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -468,6 +464,13 @@ def add_serve_parser(sub):
     p.add_argument("--max-connections", type=int, default=256, help="open connections; more get 503")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "int8", "int4"], default="float32")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+    p.add_argument("--draft", default=None, metavar="MODEL",
+                   help="speculative decoding for a greedy request decoding alone: a smaller model with the same "
+                        "vocabulary, or self:int8 / self:int4 (this model's weights at that precision)")
+    p.add_argument("--draft-dtype", choices=["float32", "bfloat16", "int8", "int4"], default=None,
+                   help="weights of a --draft MODEL (default: --dtype)")
+    p.add_argument("--draft-tokens", type=int, default=4, help="tokens the draft proposes per round (the first k)")
+    p.add_argument("--fixed-draft-tokens", action="store_true", help="keep k fixed (default: adaptive, as in generate)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -477,7 +480,9 @@ def cmd_serve(args):
                        api_key=args.api_key, chat_template=args.chat_template, max_batch=args.max_batch,
                        max_queue=args.max_queue, prefill_chunk=args.prefill_chunk, prefix_cache=args.prefix_cache,
                        max_kv_mb=args.max_kv_mb, request_timeout=args.request_timeout,
-                       max_connections=args.max_connections, dtype=args.dtype, device=args.device))
+                       max_connections=args.max_connections, dtype=args.dtype, device=args.device,
+                       draft=args.draft, draft_dtype=args.draft_dtype, draft_tokens=args.draft_tokens,
+                       adaptive_draft=not args.fixed_draft_tokens))
 
 
 # ---------------------------------------------------------------------------------------------

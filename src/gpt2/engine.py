@@ -213,7 +213,7 @@ class Stream:
         if N == 0:
             return
         with torch.inference_mode():
-            spec = Speculation(self.model, draft, self.rows, self.cfg)
+            spec = Speculation.for_prompts(self.model, draft, self.rows, self.cfg)
         self.speculation = spec.stats
         stops = stop_ids_for(self.model, self.cfg)
         while True:
@@ -354,35 +354,44 @@ class DraftLength:
 class Speculation:
     """What speculative decoding carries from round to round: both caches, the committed ids, the samplers.
 
-    seq (B, P + N) holds the committed ids, left-padded as `mask` is; `length` columns are committed.
+    seq (B, P + N) holds the committed ids, left-padded as `mask` is (None: no padding); `length`
+    columns are committed, the first `prompt_length` of them the prompt.
     The target's cache holds every committed id but the last, which the next verify feeds first. The
     draft's cache holds at most as many: after a round that kept every draft it has not seen the last
-    draft, so each round starts by feeding it the committed ids it has not seen (one or two).
+    draft, so each round starts by feeding it the committed ids it has not seen (one or two; more when
+    ids were committed without it, as the server does while a sequence shares the batch).
     Every row moves in lockstep (one cache position for the batch), so a round keeps, in every row, as
     many drafts as the live row that kept the fewest.
     """
 
-    def __init__(self, target, draft, rows: list[list[int]], cfg: GenerationConfig):
+    def __init__(self, target, draft, seq: torch.Tensor, length: int, prompt_length: int, target_cache,
+                 draft_cache: KVCache, state: SamplingState, sampling: SamplingConfig, schedule: DraftLength,
+                 generators=None, mask: torch.Tensor | None = None):
+        self.target, self.draft, self.sampling = target, draft, sampling
+        self.seq, self.length, self.prompt_length, self.mask = seq, length, prompt_length, mask
+        self.target_cache, self.draft_cache = target_cache, draft_cache  # anything with KVCache's interface
+        self.state, self.generators, self.schedule = state, generators, schedule
+        self.stats = SpeculationStats()
+
+    @classmethod
+    def for_prompts(cls, target, draft, rows: list[list[int]], cfg: GenerationConfig) -> "Speculation":
+        """Both caches allocated for the prompts and max_new_tokens, and prefilled with every prompt id
+        but the last (the first round's verify feeds that one)."""
         B, P, N = len(rows), max(len(r) for r in rows), cfg.max_new_tokens
         device = target.transformer.wte.weight.device
-        if P + N - 1 > draft.config.n_positions:
-            raise ContextLengthError(f"the draft's context is {draft.config.n_positions} tokens; this request needs "
-                                     f"{P + N - 1} (prompt {P} + max_new_tokens {N} - 1)")
-        self.target, self.draft, self.sampling = target, draft, cfg.sampling
-        prompt, self.mask = left_pad(rows, P + N, device)  # (B, P), (B, P + N)
-        self.padded = any(len(r) != P for r in rows)
-        self.seq = torch.zeros(B, P + N, dtype=torch.long, device=device)
-        self.seq[:, :P] = prompt
-        self.prompt_length, self.length = P, P
-        self.target_cache = KVCache.for_model(target, B, P + N - 1)
-        self.draft_cache = KVCache.for_model(draft, B, P + N - 1)
-        self.state = SamplingState(rows, cfg.sampling, target.config.vocab_size, device)
-        self.generators = None if cfg.sampling.greedy else make_generators(cfg.seed, B, device)
-        self.schedule = DraftLength(cfg.draft_tokens, cfg.adaptive_draft)
-        self.stats = SpeculationStats()
-        if P > 1:  # prefill both with every prompt id but the last: the first round's verify feeds that one
-            self._forward(target, self.target_cache, prompt[:, :-1], last_logits_only=True)
-            self._forward(draft, self.draft_cache, prompt[:, :-1], last_logits_only=True)
+        check_draft_context(draft, P + N - 1)
+        prompt, mask = left_pad(rows, P + N, device)  # (B, P), (B, P + N)
+        seq = torch.zeros(B, P + N, dtype=torch.long, device=device)
+        seq[:, :P] = prompt
+        spec = cls(target, draft, seq, P, P, KVCache.for_model(target, B, P + N - 1),
+                   KVCache.for_model(draft, B, P + N - 1), SamplingState(rows, cfg.sampling, target.config.vocab_size, device),
+                   cfg.sampling, DraftLength(cfg.draft_tokens, cfg.adaptive_draft),
+                   None if cfg.sampling.greedy else make_generators(cfg.seed, B, device),
+                   mask if any(len(r) != P for r in rows) else None)
+        if P > 1:
+            spec._forward(target, spec.target_cache, prompt[:, :-1], last_logits_only=True)
+            spec._forward(draft, spec.draft_cache, prompt[:, :-1], last_logits_only=True)
+        return spec
 
     @property
     def generated(self) -> int:
@@ -394,7 +403,7 @@ class Speculation:
 
     def _forward(self, model, cache: KVCache, ids: torch.Tensor, last_logits_only: bool = False) -> torch.Tensor:
         """model over ids (B, T) after the cache's positions: logits (B, T, V), or (B, 1, V)."""
-        mask = self.mask[:, :cache.pos + ids.size(1)] if self.padded else None
+        mask = None if self.mask is None else self.mask[:, :cache.pos + ids.size(1)]
         return model(ids, cache=cache, attention_mask=mask, last_logits_only=last_logits_only)
 
     def propose(self, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -439,6 +448,12 @@ class Speculation:
         last = next_ids if n == drafts.size(1) else torch.where(accepted == n, next_ids, drafts[:, n])
         return torch.cat([drafts[:, :n], last.view(-1, 1)], dim=1)
 
+    def extend(self, next_id: int) -> None:
+        """A committed id that did not come from a round (the server's plain steps); the target's cache
+        took it as usual, the draft's catches up at the next round."""
+        self.seq[:, self.length] = next_id
+        self.length += 1
+
     def commit(self, kept: torch.Tensor, proposed: int) -> None:
         """Append the kept ids; both caches roll back to every committed id but the last; adapt k."""
         n = kept.size(1)
@@ -456,6 +471,12 @@ class Speculation:
 
 # target -> (weights' identity, precision) -> its quantized copy: a self-draft is built once, not per call
 _self_drafts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def check_draft_context(draft, positions: int) -> None:
+    if positions > draft.config.n_positions:
+        raise ContextLengthError(f"the draft's context is {draft.config.n_positions} tokens; this request needs "
+                                 f"{positions} (prompt + max_new_tokens - 1)")
 
 
 def resolve_draft(target, draft):

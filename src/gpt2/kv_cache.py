@@ -88,6 +88,7 @@ class BatchKV:
         compacts first and takes only what fits. release() frees everything when no row is live.
       * update/advance: the cache interface the model's forward uses, over the live rows (decode only:
         prefill happens in a KVCache, then insert).
+      * lone_row/rewind/mark_lone_row: one live row used as a batch-1 cache for a speculative round.
     """
 
     def __init__(self, n_layer: int, max_batch: int, n_head: int, head_size: int, max_capacity: int,
@@ -204,6 +205,28 @@ class BatchKV:
 
     def advance(self, num_positions: int) -> None:
         self.pos += num_positions
+
+    # -- a speculative round at batch 1 (batching.Scheduler with a draft) ------------------------
+
+    def lone_row(self, extra: int) -> "BatchKV":
+        """The one live row moved to column 0 and `extra` more columns made to exist: the cache then
+        works as a batch-1 KVCache with no attention mask (a verify writes extra positions at once,
+        rewind drops the rejected ones). mark_lone_row() afterwards."""
+        assert self.rows == 1, "lone_row() with more than one live row"
+        self._compact()
+        if self.pos + extra > self.capacity:
+            self._fit(1, self.pos + extra, self.pos + extra)
+        return self
+
+    def rewind(self, num_positions: int) -> None:
+        if not 0 <= num_positions <= self.pos:
+            raise ValueError(f"cannot rewind {num_positions} positions of a cache holding {self.pos}")
+        self.pos -= num_positions
+
+    def mark_lone_row(self) -> None:
+        """After a round on lone_row(): the row's columns are [0, pos)."""
+        self.mask[0, :self.pos] = 1
+        self.mask[0, self.pos:] = 0
 
     # -- storage geometry ----------------------------------------------------------------------
 

@@ -516,3 +516,12 @@ def load_for_inference(name_or_path, dtype: str = "float32", device=None, verbos
     if verbose:
         print(plan.describe(), flush=True)
     return apply_plan(model, plan)
+
+
+def load_draft(draft: str, target_path, dtype: str, device=None, verbose: bool = False):
+    """A speculative-decoding draft for the model at target_path: "self:int8" / "self:int4" load that same
+    checkpoint again at that precision; anything else is a model path or name, loaded at `dtype`."""
+    from gpt2.engine import SELF_DRAFTS
+    if draft in SELF_DRAFTS:
+        return load_for_inference(target_path, dtype=SELF_DRAFTS[draft], device=device, verbose=verbose)
+    return load_for_inference(draft, dtype=dtype, device=device, verbose=verbose)

@@ -96,6 +96,10 @@ class ServerConfig:
     request_timeout: float = 30.0      # seconds a request's head, then its body, may take to arrive
     max_connections: int = 256         # open connections; more get 503
     shutdown_timeout: float = 30.0     # seconds in-flight requests get after SIGTERM
+    draft: str | None = None           # speculative decoding for a lone greedy request (batching.py)
+    draft_dtype: str | None = None     # a draft model's weights (None: dtype)
+    draft_tokens: int = 4
+    adaptive_draft: bool = True
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -110,12 +114,14 @@ ENDPOINTS = ("/", "/health", "/metrics", "/openapi.json", "/v1/models", "/v1/com
 # the app
 # ---------------------------------------------------------------------------------------------
 
-def create_app(model, tokenizer, cfg: ServerConfig, model_name: str | None = None) -> FastAPI:
-    """The FastAPI app serving `model`; its lifespan starts and stops the scheduler (app.state.scheduler)."""
+def create_app(model, tokenizer, cfg: ServerConfig, model_name: str | None = None, draft=None) -> FastAPI:
+    """The FastAPI app serving `model`; its lifespan starts and stops the scheduler (app.state.scheduler).
+    draft: a model (or "self:int8" / "self:int4") for speculative decoding of a lone greedy request."""
     model_name = model_name or Path(cfg.model).name or "gpt2"
     names = list(dict.fromkeys([model_name, *cfg.aliases]))
     scheduler = Scheduler(model, max_batch=cfg.max_batch, max_queue=cfg.max_queue, prefill_chunk=cfg.prefill_chunk,
-                          prefix_cache=cfg.prefix_cache, max_kv_mb=cfg.max_kv_mb)
+                          prefix_cache=cfg.prefix_cache, max_kv_mb=cfg.max_kv_mb, draft=draft,
+                          draft_tokens=cfg.draft_tokens, adaptive_draft=cfg.adaptive_draft)
     metrics = ServerMetrics(scheduler)
     template = ChatTemplate.from_file(cfg.chat_template) if cfg.chat_template else ChatTemplate.default()
     playground = files("gpt2").joinpath(PLAYGROUND).read_text(encoding="utf-8")
@@ -722,7 +728,7 @@ def uvicorn_config(app, cfg: ServerConfig, log_level: str = "info"):
 def serve(cfg: ServerConfig) -> None:
     """Load the model and tokenizer, then run uvicorn until SIGINT/SIGTERM (then drain and return)."""
     from gpt2.errors import ConfigError
-    from gpt2.quantize import load_for_inference
+    from gpt2.quantize import load_draft, load_for_inference
     from gpt2.tokenizer import Tokenizer
     if cfg.max_batch < 1 or cfg.max_queue < 0:
         raise ConfigError("--max-batch must be at least 1 and --max-queue at least 0")
@@ -732,10 +738,13 @@ def serve(cfg: ServerConfig) -> None:
         raise ConfigError("--prefill-chunk must be at least 0 and --max-kv-mb positive")
     if cfg.chat_template:
         ChatTemplate.from_file(cfg.chat_template)  # a bad file fails now, before the model loads
+    if cfg.draft_tokens < 1:
+        raise ConfigError("--draft-tokens must be at least 1")
     model = load_for_inference(cfg.model, dtype=cfg.dtype, device=cfg.device).eval()
     require_gpt2_vocab(model.config, cfg.model)
+    draft = None if cfg.draft is None else load_draft(cfg.draft, cfg.model, cfg.draft_dtype or cfg.dtype, cfg.device)
     tokenizer = Tokenizer.from_pretrained(cfg.model)
     if cfg.host not in ("127.0.0.1", "localhost", "::1") and cfg.api_key is None:
         print(f"gpt2 serve: warning: listening on {cfg.host} without --api-key: anyone who can reach this "
               "address can use the model", file=sys.stderr)
-    GracefulServer(uvicorn_config(create_app(model, tokenizer, cfg), cfg)).run()
+    GracefulServer(uvicorn_config(create_app(model, tokenizer, cfg, draft=draft), cfg)).run()
