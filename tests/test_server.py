@@ -650,6 +650,9 @@ def test_serve_with_a_draft_speculates_for_a_lone_greedy_request(model_dir, tok)
             assert got.choices[0].text == reference(lively, tok, prompt, 30)
         rounds = srv.scheduler.speculation.rounds
         assert rounds > 0 and srv.scheduler.speculation.proposed > 0
+        scraped = httpx.get(f"{srv.url}/metrics").text
+        assert f"gpt2_speculative_rounds_total {float(rounds)}" in scraped
+        assert f"gpt2_draft_tokens_accepted_total {float(srv.scheduler.speculation.accepted)}" in scraped
         got = client(srv).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=1.0, seed=4)
         assert got.choices[0].text == reference(lively, tok, PROMPTS[0], 12, temperature=1.0, seed=4)
         assert srv.scheduler.speculation.rounds == rounds

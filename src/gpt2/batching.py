@@ -92,7 +92,7 @@ class Continuation:
     _next: int | None = None                         # the sampled id the next decode step feeds
     _state: SamplingState | None = None
     _generator: torch.Generator | None = None
-    _speculation: object = None                      # engine.Speculation, with a draft and greedy sampling
+    _speculation: Speculation | None = None          # with a draft, for greedy sampling (Scheduler._speculation_for)
 
     @property
     def max_positions(self) -> int:
@@ -515,7 +515,6 @@ class Scheduler:
             s._next = self._sample(s, p.logits)  # sampling is pure: p.logits is never modified
             if s._next is not None:
                 s._speculation = self._speculation_for(s)
-            if s._next is not None:
                 with self._cond:
                     self.kv.max_bytes = self._batch_budget()
                     self.kv.insert(p.cache)

@@ -19,7 +19,7 @@ process; nothing goes into prometheus_client's global one).
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # seconds: a tiny model on a GPU answers in a millisecond, a 1.5B one on two CPU cores in seconds
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -33,8 +33,15 @@ SCHEDULER_GAUGES = {  # Scheduler.stats() key: (metric name, help)
 }
 
 
+SPECULATION_COUNTERS = {  # SpeculationStats field (gpt2 serve --draft): (metric name, help)
+    "rounds": ("gpt2_speculative_rounds", "Speculative rounds run for lone greedy requests"),
+    "proposed": ("gpt2_draft_tokens_proposed", "Tokens the draft proposed"),
+    "accepted": ("gpt2_draft_tokens_accepted", "Proposed tokens the target kept"),
+}
+
+
 class _SchedulerCollector:
-    """The scheduler's gauges, read from one stats() call per scrape."""
+    """The scheduler's gauges, read from one stats() call per scrape, and its speculation counters."""
 
     def __init__(self, scheduler):
         self.scheduler = scheduler
@@ -43,6 +50,9 @@ class _SchedulerCollector:
         stats = self.scheduler.stats()
         for key, (name, help) in SCHEDULER_GAUGES.items():
             yield GaugeMetricFamily(name, help, value=float(stats[key] or 0))
+        speculation = self.scheduler.speculation
+        for key, (name, help) in SPECULATION_COUNTERS.items():
+            yield CounterMetricFamily(name, help, value=float(getattr(speculation, key)))
 
 
 class ServerMetrics:
