@@ -473,6 +473,7 @@ def test_a_second_sequence_ends_speculation_and_every_sequence_stays_exact(model
     assert out["greedy"] == naive(model, prompts["greedy"], 12)
     assert out["sampled"] == reference(model, seqs["sampled"])
     assert 0 < rounds["joined"] and rounds["left"] < sched.speculation.rounds  # before, and again after
+    assert seqs["greedy"]._speculation.draft_cache is None  # never alone: no draft cache was allocated
 
 
 def test_sampled_and_logprob_sequences_never_speculate(model):

@@ -421,6 +421,8 @@ class Scheduler:
                 spec.target_cache = self.kv.lone_row(extra=k + 1)  # column 0 on, room for the verify
             except KVLimitExceeded:
                 return False
+        if spec.draft_cache is None:  # allocated when first alone: a busy server's sequences never need one
+            spec.draft_cache = KVCache.for_model(self.draft, 1, s.max_positions - 1)
         drafts, _ = spec.propose(k)                                             # (1, k)
         accepted, next_id = accept_drafts(spec.verify(drafts), None, drafts, s.sampling)  # greedy
         kept = spec.keep(drafts, accepted, next_id, torch.ones(1, dtype=torch.bool))     # (1, n + 1)
@@ -590,7 +592,8 @@ class Scheduler:
             self._emit(seq, ("done", reason))
 
     def _speculation_for(self, seq: Continuation) -> Speculation | None:
-        """seq's speculation state (its committed ids, its draft cache), if it may ever speculate."""
+        """seq's speculation state (its committed ids; its draft cache comes when it is first alone), if it
+        may ever speculate."""
         if (self.draft is None or not seq.sampling.greedy or seq.logprobs is not None
                 or seq.max_positions - 1 > self.draft.config.n_positions):
             return None
@@ -598,8 +601,7 @@ class Scheduler:
         ids[0, :len(seq.prompt)] = torch.tensor(seq.prompt)
         ids[0, len(seq.prompt)] = seq._next
         return Speculation(self.model, self.draft, ids, len(seq.prompt) + 1, len(seq.prompt), self.kv,
-                           KVCache.for_model(self.draft, 1, seq.max_positions - 1), seq._state, seq.sampling,
-                           DraftLength(self.draft_tokens, self.adaptive_draft))
+                           None, seq._state, seq.sampling, DraftLength(self.draft_tokens, self.adaptive_draft))
 
     def _sample(self, seq: Continuation, logits: torch.Tensor) -> int | None:
         """Sample seq's next id from its logits (1, V), emit it; None (and finished) on a stop id or the limit."""
