@@ -147,8 +147,13 @@ def serve_scheduled(scheduler, prompt, n: int) -> tuple[list[int], float]:
     """(new ids, seconds) of one lone greedy request through the server's scheduler."""
     from gpt2.batching import Continuation
     ids, done = [], threading.Event()
-    seq = Continuation(prompt=prompt, max_new_tokens=n, stop_token_ids=frozenset(),
-                       emit=lambda ev: ids.append(ev[1]) if ev[0] == "token" else done.set() if ev[0] == "done" else None)
+
+    def on_event(event):
+        if event[0] == "token":
+            ids.append(event[1])
+        elif event[0] == "done":
+            done.set()
+    seq = Continuation(prompt=prompt, max_new_tokens=n, stop_token_ids=frozenset(), emit=on_event)
     t = time.perf_counter()
     scheduler.submit([seq])
     done.wait()
