@@ -14,6 +14,8 @@ Cases:
         weights make a separate draft's acceptance meaningless. The target needs its longer budget to
         predict as well as the draft (a wide model sees fewer tokens per second): in 3 minutes at the
         quickstart's lr it only repeated " the". Target float32, draft --pair-draft-dtype (int8).
+        Then the same pair through `gpt2 serve`'s scheduler (batching.Scheduler, no HTTP): one lone
+        greedy request at a time, without and with --draft (the server speculates for a lone request).
 
 Every round runs each contender once, in turn (plain; speculative with adaptive k; speculative with each
 --fixed-k), so load from other processes hits them alike; the table reports medians over rounds, tok/s =
