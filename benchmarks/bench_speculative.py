@@ -18,7 +18,8 @@ Cases:
         greedy request at a time, without and with --draft (the server speculates for a lone request).
 
 Every round runs each contender once, in turn (plain; speculative with adaptive k; speculative with each
---fixed-k), so load from other processes hits them alike; the table reports medians over rounds, tok/s =
+--fixed-k), so load from other processes hits them alike; the table reports medians over rounds (and
+"by round": the median of each round's own speed-up), tok/s =
 new tokens / wall time of the whole generate call (a 16-token prompt's prefill included), the draft's
 acceptance rate, target forwards per token, the speed-up over plain, and whether the output equals
 plain greedy token for token (it must).
@@ -64,13 +65,21 @@ def compare(name: str, target, draft, prompt, n: int, rounds: int, k: int, fixed
     plain_ids, _ = results["plain"]
     plain_s = statistics.median(times["plain"])
     print(f"\n{name}: {n} new tokens after a {len(prompt)}-token prompt, median of {rounds} rounds")
-    print(f"  {'contender':34s} {'tok/s':>7s} {'speed-up':>8s} {'accepted':>8s} {'tokens/fwd':>10s}  equals plain")
+    print(f"  {'contender':34s} {'tok/s':>7s} {'speed-up':>8s} {'by round':>8s} {'accepted':>8s} {'tokens/fwd':>10s}"
+          f"  equals plain")
     for c in contenders:
         s = statistics.median(times[c])
         out, stats = results[c]
         acc = f"{stats.acceptance_rate:8.1%}" if stats else f"{'-':>8s}"
         per = f"{stats.tokens_per_round:10.2f}" if stats else f"{1.0:10.2f}"
-        print(f"  {c:34s} {n / s:7.2f} {plain_s / s:7.2f}x {acc} {per}  {out == plain_ids}")
+        print(f"  {c:34s} {n / s:7.2f} {plain_s / s:7.2f}x {median_of_rounds(times['plain'], times[c]):7.2f}x"
+              f" {acc} {per}  {out == plain_ids}")
+
+
+def median_of_rounds(plain: list[float], other: list[float]) -> float:
+    """The median of each round's speed-up: in a round the contenders run back to back, in one state of
+    the machine, whose memory bandwidth drifts by tens of percent over minutes here."""
+    return statistics.median(p / o for p, o in zip(plain, other))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,6 +196,7 @@ def serve_case(target, draft, prompt, n: int, args) -> None:
         stats = s.speculation
         acc = f"{stats.acceptance_rate:8.1%}" if stats.proposed else f"{'-':>8s}"
         print(f"  {name:40s} {n / statistics.median(times[name]):7.2f} tok/s {plain_s / statistics.median(times[name]):5.2f}x"
+              f" (by round {median_of_rounds(times['serve, no draft'], times[name]):.2f}x)"
               f" {acc}  equals no draft: {outputs[name] == outputs['serve, no draft']}")
 
 
