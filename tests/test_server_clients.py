@@ -39,7 +39,7 @@ def eot_model_dir(tmp_path_factory):
     the greedy next token is <|endoftext|> again: the case lm-eval found (a document that ends in it).
     Saved with its tokenizer files, so lm-eval and Transformers load it offline."""
     torch.manual_seed(0)
-    m = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, n_positions=N_POSITIONS))
+    m = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, n_positions=N_POSITIONS, initializer_range=0.1))  # see test_server.py
     with torch.no_grad():
         m.transformer.wte.weight[GPT2_EOT] *= 30
     directory = tmp_path_factory.mktemp("tiny-eot")
