@@ -476,7 +476,7 @@ def test_a_second_sequence_ends_speculation_and_every_sequence_stays_exact(model
     assert seqs["greedy"]._speculation.draft_cache is None  # never alone: no draft cache was allocated
 
 
-def test_sampled_and_logprob_sequences_never_speculate(model):
+def test_seeded_sampled_and_logprob_sequences_never_speculate(model):
     """A seeded sample must draw the same tokens alone as in a batch; a logprob entry per token comes
     from a one-position forward. Neither speculates, and both stay exact."""
     sched = Scheduler(model, max_batch=2, initial_capacity=16, draft=model)
@@ -499,3 +499,36 @@ def test_a_draft_of_another_vocabulary_is_refused(model):
     small = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, n_positions=64, vocab_size=1000))
     with pytest.raises(ConfigError, match="vocabulary"):
         Scheduler(model, draft=small)
+
+
+def test_an_unseeded_sampled_sequence_speculates_and_follows_the_target_distribution():
+    """Alone and unseeded, a sampled sequence speculates; its second token (the first a round decides:
+    a kept draft, or the target's draw from the residual) follows the target's distribution after
+    temperature, top-k and top-p. The chi-square test and the tiny 12-token pair are test_speculative's,
+    whose engine-level tests show that this test detects a 5% error at this sample size."""
+    from test_speculative import (ALPHA, PROMPT, SAMPLES, SAMPLING, TINY, chi_square_p_value, counts_of, random_model,
+                                  target_probabilities)
+    target, draft = random_model(TINY, seed=0), random_model(TINY, seed=1)
+    sched = Scheduler(target, max_batch=1, initial_capacity=8, prefix_cache=False, draft=draft, draft_tokens=4).start()
+    sampling = SamplingConfig(**SAMPLING)
+    samples = []
+    try:
+        for _ in range(SAMPLES):  # one at a time, so that each decodes alone
+            ids, done = [], threading.Event()
+
+            def emit(ev, ids=ids, done=done):
+                if ev[0] == "token":
+                    ids.append(ev[1])
+                elif ev[0] == "done":
+                    done.set()
+            sched.submit([Continuation(prompt=PROMPT, max_new_tokens=3, emit=emit, sampling=sampling,
+                                       stop_token_ids=frozenset())])
+            assert done.wait(30)
+            samples.append(ids)
+    finally:
+        sched.stop(5)
+    assert sched.error is None and sched.speculation.rounds == SAMPLES  # the 2nd and 3rd tokens: one round each
+    assert 0 < sched.speculation.accepted < sched.speculation.proposed
+    first, second = target_probabilities(target, sampling)
+    for position, probs in ((0, first), (1, second)):
+        assert chi_square_p_value(counts_of(samples, position, TINY.vocab_size), probs) > ALPHA

@@ -22,11 +22,12 @@ The scheduler thread is the only one that runs the model. Each turn of its loop:
      is done, its sequences sample their first tokens and join the shared batch: a BatchKV
      (kv_cache.py), which owns the storage geometry (rows right-aligned at one write position, masked
      to the left like left padding; shifts, compaction, growth within a byte budget).
-  3. decode a step: one forward feeds every row's last token. With a draft model, a greedy sequence
-     decoding alone (one row, no prefill, nobody waiting) runs a speculative round instead
-     (engine.Speculation over the lone BatchKV row and the sequence's own draft cache): its output is
-     the same token for token, and it returns to plain steps as soon as another sequence arrives.
-     Sampled sequences never speculate: a seeded one would draw other tokens alone than in a batch.
+  3. decode a step: one forward feeds every row's last token. With a draft model, a sequence decoding
+     alone (one row, no prefill, nobody waiting) runs a speculative round instead (engine.Speculation
+     over the lone BatchKV row and the sequence's own draft cache): greedy output is the same token for
+     token, sampled output follows the same distribution (speculative sampling), and it returns to
+     plain steps as soon as another sequence arrives. Seeded sampled sequences never speculate: they
+     would draw other tokens alone than in a batch, and a seed promises the same tokens either way.
      The draft's caches are outside `max_kv_mb` (a draft is small; a self-draft's cache is the
      target's size).
   4. drop finished rows and prefills (stop ids, length, cancel).
@@ -92,7 +93,7 @@ class Continuation:
     _next: int | None = None                         # the sampled id the next decode step feeds
     _state: SamplingState | None = None
     _generator: torch.Generator | None = None
-    _speculation: Speculation | None = None          # with a draft, for greedy sampling (Scheduler._speculation_for)
+    _speculation: Speculation | None = None          # with a draft, unless seeded sampling (Scheduler._speculation_for)
 
     @property
     def max_positions(self) -> int:
@@ -407,7 +408,7 @@ class Scheduler:
                     s._speculation.extend(s._next)  # committed without the draft: it catches up when alone
 
     def _speculate_alone(self) -> bool:
-        """One speculative round for a lone greedy row, instead of a decode step; False where none applies."""
+        """One speculative round for a lone row, instead of a decode step; False where none applies."""
         if len(self._rows) != 1 or self._prefills or self._waiting:
             return False
         s = self._rows[0]
@@ -423,8 +424,8 @@ class Scheduler:
                 return False
         if spec.draft_cache is None:  # allocated when first alone: a busy server's sequences never need one
             spec.draft_cache = KVCache.for_model(self.draft, 1, s.max_positions - 1)
-        drafts, _ = spec.propose(k)                                             # (1, k)
-        accepted, next_id = accept_drafts(spec.verify(drafts), None, drafts, s.sampling)  # greedy
+        drafts, draft_probs = spec.propose(k)                                   # (1, k), (1, k, V) or None
+        accepted, next_id = accept_drafts(spec.verify(drafts), draft_probs, drafts, s.sampling, spec.generators)
         kept = spec.keep(drafts, accepted, next_id, torch.ones(1, dtype=torch.bool))     # (1, n + 1)
         spec.commit(kept, proposed=k)  # the target's cache (the row) and the draft's roll back
         self.kv.mark_lone_row()
@@ -594,14 +595,15 @@ class Scheduler:
     def _speculation_for(self, seq: Continuation) -> Speculation | None:
         """seq's speculation state (its committed ids; its draft cache comes when it is first alone), if it
         may ever speculate."""
-        if (self.draft is None or not seq.sampling.greedy or seq.logprobs is not None
+        if (self.draft is None or (seq.seed is not None and not seq.sampling.greedy) or seq.logprobs is not None
                 or seq.max_positions - 1 > self.draft.config.n_positions):
             return None
         ids = torch.zeros(1, seq.max_positions, dtype=torch.long, device=self.device)
         ids[0, :len(seq.prompt)] = torch.tensor(seq.prompt)
         ids[0, len(seq.prompt)] = seq._next
         return Speculation(self.model, self.draft, ids, len(seq.prompt) + 1, len(seq.prompt), self.kv,
-                           None, seq._state, seq.sampling, DraftLength(self.draft_tokens, self.adaptive_draft))
+                           None, seq._state, seq.sampling, DraftLength(self.draft_tokens, self.adaptive_draft),
+                           generators=seq._generator)
 
     def _sample(self, seq: Continuation, logits: torch.Tensor) -> int | None:
         """Sample seq's next id from its logits (1, V), emit it; None (and finished) on a stop id or the limit."""

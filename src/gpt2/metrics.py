@@ -34,7 +34,7 @@ SCHEDULER_GAUGES = {  # Scheduler.stats() key: (metric name, help)
 
 
 SPECULATION_COUNTERS = {  # SpeculationStats field (gpt2 serve --draft): (metric name, help)
-    "rounds": ("gpt2_speculative_rounds", "Speculative rounds run for lone greedy requests"),
+    "rounds": ("gpt2_speculative_rounds", "Speculative rounds run for lone requests"),
     "proposed": ("gpt2_draft_tokens_proposed", "Tokens the draft proposed"),
     "accepted": ("gpt2_draft_tokens_accepted", "Proposed tokens the target kept"),
 }

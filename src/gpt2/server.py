@@ -96,7 +96,7 @@ class ServerConfig:
     request_timeout: float = 30.0      # seconds a request's head, then its body, may take to arrive
     max_connections: int = 256         # open connections; more get 503
     shutdown_timeout: float = 30.0     # seconds in-flight requests get after SIGTERM
-    draft: str | None = None           # speculative decoding for a lone greedy request (batching.py)
+    draft: str | None = None           # speculative decoding for a lone request (batching.py)
     draft_dtype: str | None = None     # a draft model's weights (None: dtype)
     draft_tokens: int = 4
     adaptive_draft: bool = True
@@ -116,7 +116,7 @@ ENDPOINTS = ("/", "/health", "/metrics", "/openapi.json", "/v1/models", "/v1/com
 
 def create_app(model, tokenizer, cfg: ServerConfig, model_name: str | None = None, draft=None) -> FastAPI:
     """The FastAPI app serving `model`; its lifespan starts and stops the scheduler (app.state.scheduler).
-    draft: a model (or "self:int8" / "self:int4") for speculative decoding of a lone greedy request."""
+    draft: a model (or "self:int8" / "self:int4") for speculative decoding of a lone request."""
     model_name = model_name or Path(cfg.model).name or "gpt2"
     names = list(dict.fromkeys([model_name, *cfg.aliases]))
     scheduler = Scheduler(model, max_batch=cfg.max_batch, max_queue=cfg.max_queue, prefill_chunk=cfg.prefill_chunk,
