@@ -638,7 +638,7 @@ def test_sigterm_lets_in_flight_requests_finish(model_dir, model, tok):
 def test_serve_with_a_draft_speculates_for_a_lone_greedy_request(model_dir, model, tok):
     """Through the official client: greedy completions equal the model's own greedy output, and the
     scheduler ran speculative rounds for them (a self:int8 draft, as `gpt2 serve --draft self:int8` loads
-    it); a sampled request does not speculate and stays exact."""
+    it); a seeded sampled request does not speculate and stays exact."""
     from gpt2.quantize import load_draft
     draft = load_draft("self:int8", str(model_dir), "float32")
     assert any(type(m).__name__ == "FastLinear" for m in draft.modules())

@@ -465,8 +465,9 @@ def add_serve_parser(sub):
     p.add_argument("--dtype", choices=["float32", "bfloat16", "int8", "int4"], default="float32")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--draft", default=None, metavar="MODEL",
-                   help="speculative decoding for a request decoding alone (not seeded sampling): a smaller model with the same "
-                        "vocabulary, or self:int8 / self:int4 (this model's weights at that precision)")
+                   help="speculative decoding for a request decoding alone (not seeded sampling): a smaller "
+                        "model with the same vocabulary, or self:int8 / self:int4 (this model's weights at that "
+                        "precision)")
     p.add_argument("--draft-dtype", choices=["float32", "bfloat16", "int8", "int4"], default=None,
                    help="weights of a --draft MODEL (default: --dtype)")
     p.add_argument("--draft-tokens", type=int, default=4, help="tokens the draft proposes per round (the first k)")

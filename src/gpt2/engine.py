@@ -384,9 +384,10 @@ class Speculation:
         prompt, mask = left_pad(rows, P + N, device)  # (B, P), (B, P + N)
         seq = torch.zeros(B, P + N, dtype=torch.long, device=device)
         seq[:, :P] = prompt
+        state = SamplingState(rows, cfg.sampling, target.config.vocab_size, device)
         spec = cls(target, draft, seq, P, P, KVCache.for_model(target, B, P + N - 1),
-                   KVCache.for_model(draft, B, P + N - 1), SamplingState(rows, cfg.sampling, target.config.vocab_size, device),
-                   cfg.sampling, DraftLength(cfg.draft_tokens, cfg.adaptive_draft),
+                   KVCache.for_model(draft, B, P + N - 1), state, cfg.sampling,
+                   DraftLength(cfg.draft_tokens, cfg.adaptive_draft),
                    None if cfg.sampling.greedy else make_generators(cfg.seed, B, device),
                    mask if any(len(r) != P for r in rows) else None)
         if P > 1:
