@@ -398,6 +398,8 @@ class Scheduler:
             return
         self.kv.max_bytes = self._batch_budget()
         mask = self.kv.decode_mask()
+        if len(self._rows) == 1 and bool(mask[0, 0]):
+            mask = None  # a lone row from column 0 has no padding: plain causal attention, the faster path
         ids = torch.tensor([[s._next] for s in self._rows], dtype=torch.long, device=self.device)  # (B, 1)
         logits = self.model(ids, cache=self.kv, attention_mask=mask)[:, -1]  # (B, V)
         self.steps += 1
