@@ -398,8 +398,8 @@ class Scheduler:
             return
         self.kv.max_bytes = self._batch_budget()
         mask = self.kv.decode_mask()
-        if len(self._rows) == 1 and bool(mask[0, 0]):
-            mask = None  # a lone row from column 0 has no padding: plain causal attention, the faster path
+        if self.kv.lone_row_unpadded():
+            mask = None  # plain causal attention, the faster path (and the engine's for one unpadded prompt)
         ids = torch.tensor([[s._next] for s in self._rows], dtype=torch.long, device=self.device)  # (B, 1)
         logits = self.model(ids, cache=self.kv, attention_mask=mask)[:, -1]  # (B, V)
         self.steps += 1
@@ -432,9 +432,6 @@ class Scheduler:
         spec.commit(kept, proposed=k)  # the target's cache (the row) and the draft's roll back
         self.kv.mark_lone_row()
         self.steps += 1
-        self.speculation.rounds += 1
-        self.speculation.proposed += k
-        self.speculation.accepted += kept.size(1) - 1
         for t in kept[0].tolist():
             s._next = self._take_token(s, t, None)
             if s._next is None:
@@ -605,7 +602,7 @@ class Scheduler:
         ids[0, len(seq.prompt)] = seq._next
         return Speculation(self.model, self.draft, ids, len(seq.prompt) + 1, len(seq.prompt), self.kv,
                            None, seq._state, seq.sampling, DraftLength(self.draft_tokens, self.adaptive_draft),
-                           generators=seq._generator)
+                           generators=seq._generator, stats=self.speculation)
 
     def _sample(self, seq: Continuation, logits: torch.Tensor) -> int | None:
         """Sample seq's next id from its logits (1, V), emit it; None (and finished) on a stop id or the limit."""

@@ -366,13 +366,13 @@ class Speculation:
 
     def __init__(self, target, draft, seq: torch.Tensor, length: int, prompt_length: int, target_cache,
                  draft_cache: KVCache | None, state: SamplingState, sampling: SamplingConfig, schedule: DraftLength,
-                 generators=None, mask: torch.Tensor | None = None):
+                 generators=None, mask: torch.Tensor | None = None, stats: SpeculationStats | None = None):
         self.target, self.draft, self.sampling = target, draft, sampling
         self.seq, self.length, self.prompt_length, self.mask = seq, length, prompt_length, mask
         # anything with KVCache's interface; the draft's may come later (batching.py), before the first round
         self.target_cache, self.draft_cache = target_cache, draft_cache
         self.state, self.generators, self.schedule = state, generators, schedule
-        self.stats = SpeculationStats()
+        self.stats = SpeculationStats() if stats is None else stats  # the server's is shared by all its sequences
 
     @classmethod
     def for_prompts(cls, target, draft, rows: list[list[int]], cfg: GenerationConfig) -> "Speculation":

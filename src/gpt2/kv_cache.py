@@ -213,10 +213,15 @@ class BatchKV:
         works as a batch-1 KVCache with no attention mask (a verify writes extra positions at once,
         rewind drops the rejected ones). mark_lone_row() afterwards."""
         assert self.rows == 1, "lone_row() with more than one live row"
-        self._compact()
+        if not self.lone_row_unpadded():
+            self._compact()
         if self.pos + extra > self.capacity:
             self._fit(1, self.pos + extra, self.pos + extra)
         return self
+
+    def lone_row_unpadded(self) -> bool:
+        """One live row, starting at column 0: it needs no attention mask (its positions are 0, 1, ...)."""
+        return self.rows == 1 and bool(self.mask[0, 0])
 
     def rewind(self, num_positions: int) -> None:
         if not 0 <= num_positions <= self.pos:
