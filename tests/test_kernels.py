@@ -249,9 +249,21 @@ def test_a_regime_is_timed_unless_the_one_before_proves_it_cannot_win():
     assert kernels._may_win("prefill", {"decode": 10000.0}, timings)  # cold copies vs one warm: never pruned
 
 
+@pytest.mark.parametrize("fmt", [f for f in CPU_FORMATS if f.available()], ids=lambda f: f"{f.precision}-{f.name}")
+def test_a_reference_of_some_rows_is_those_rows_of_the_whole(fmt):
+    """kernels.py builds the float64 reference of the checked outputs only (the lm_head's first and last
+    2,048): row for row it must be the whole weight's."""
+    torch.manual_seed(0)
+    w, b = torch.randn(160, 64) * 0.1, torch.randn(160) * 0.1
+    tensors = fmt.pack(w, b)
+    rows = kernels._edges(160, 48)  # rows 0-47 and 112-159
+    some = fmt.reference_weight(w, tensors, rows)
+    assert some.dtype == torch.float64 and torch.equal(some, fmt.reference_weight(w, tensors)[rows])
+
+
 def test_a_path_outside_its_rounding_is_rejected(monkeypatch):
     from gpt2 import quantize
-    broken = quantize.WeightFormat("broken", "float32", lambda w, b: {"weight": w}, lambda w, t: w.double(),
+    broken = quantize.WeightFormat("broken", "float32", lambda w, b: {"weight": w}, quantize._plain_reference,
                                    {"off by one": lambda x, t, b, a: F.linear(x, t["weight"], b) + 1})
     monkeypatch.setattr(quantize, "CPU_FORMATS", quantize.CPU_FORMATS + [broken])
     choice = kernels.measure_shape("float32", 32, 64, None)
@@ -268,7 +280,7 @@ def test_a_wide_layer_is_checked_on_its_edge_outputs(monkeypatch):
         y = F.linear(x, t["weight"], b)
         y[:, -1] += 1
         return y
-    broken = quantize.WeightFormat("broken", "float32", lambda w, b: {"weight": w}, lambda w, t: w.double(),
+    broken = quantize.WeightFormat("broken", "float32", lambda w, b: {"weight": w}, quantize._plain_reference,
                                    {"last column off": last_column_off})
     monkeypatch.setattr(quantize, "CPU_FORMATS", quantize.CPU_FORMATS + [broken])
     choice = kernels.measure_shape("float32", N, 16, None)
@@ -294,12 +306,12 @@ def test_int8_paths_shared_by_formats_are_measured_once(monkeypatch):
 
 def test_int8_formats_build_one_float64_reference(monkeypatch):
     """The engines' weights are packed from the weight-only format's q and scales, so its float64
-    reference serves all three (at the lm_head each costs ~0.5 s); the checks still run per path."""
+    reference serves all three (the lm_head's checked rows: 4,096 x 768 float64); the checks still run per path."""
     import dataclasses
 
     from gpt2 import quantize
     built = []
-    formats = [dataclasses.replace(f, reference_weight=lambda w, t, real=f.reference_weight: built.append(1) or real(w, t))
+    formats = [dataclasses.replace(f, reference_weight=lambda w, t, rows=None, real=f.reference_weight: built.append(1) or real(w, t, rows))
                if f.precision == "int8" else f for f in quantize.CPU_FORMATS]
     monkeypatch.setattr(quantize, "CPU_FORMATS", formats)
     choice = kernels.measure_shape("int8", 96, 64, None)

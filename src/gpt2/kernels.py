@@ -293,7 +293,7 @@ def measure_shape(precision: str, out_features: int, in_features: int, activatio
         if twin is not None and fmt.repack is not None:
             expected = twin.expected  # the twin's q and scales, cloned: the same weight, by construction
         else:
-            expected = Expected(fmt.reference_weight(w, tensors), b.double(), activation, precision)
+            expected = Expected(fmt, w, tensors, b.double(), activation, precision)
             # Formats computing with one weight (int8's three) share one: its products are the costly part of a check.
             expected = next((c.expected for c in candidates if c.expected.same_as(expected)), expected)
         candidates.append(Candidate(fmt, tensors, _copies(fmt, w, bias, tensors), expected,
@@ -384,10 +384,12 @@ class Expected:
     """A format's float64 reference, act(x W^T + b), and the rounding bound around it, for the rows and
     outputs a check compares; computed once per input and shared by all of the format's paths."""
 
-    def __init__(self, reference: torch.Tensor, bias: torch.Tensor, activation: str | None, precision: str):
-        self.out_features = reference.size(0)
+    def __init__(self, fmt: WeightFormat, w: torch.Tensor, tensors: dict, bias: torch.Tensor,
+                 activation: str | None, precision: str):
+        self.out_features = w.size(0)
         self.columns = _edges(self.out_features, CHECKED_COLUMNS)
-        self.reference, self.bias = reference[self.columns], bias[self.columns]  # (n, K), (n,) float64
+        self.reference = fmt.reference_weight(w, tensors, self.columns)  # (n, K) float64: the checked outputs' rows
+        self.bias = bias[self.columns]  # (n,) float64
         self.activation, self.tolerance = activation, TOLERANCE[precision]
         self.reference_abs = self.reference.abs().float()  # for the bound, below
         self.reference_abs_sums = self.reference.abs().sum(1)  # (n,): sum_k |W|

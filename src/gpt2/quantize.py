@@ -224,9 +224,11 @@ class WeightFormat:
     name: str
     precision: str
     pack: Callable[[torch.Tensor, "torch.Tensor | None"], dict]   # (w (N, K) float32, bias) -> tensors
-    # (w float32, tensors) -> the weight it computes with, float64. w is None when a packed layer is read
+    # (w float32, tensors, rows) -> the weight it computes with, float64: those output rows (an index
+    # tensor), or all of them for None. kernels.py checks a wide layer on its first and last outputs only,
+    # and the whole lm_head in float64 would take ~0.3 s per format. w is None when a packed layer is read
     # back (engine.quantized_copy); a format that cannot do without it raises ValueError.
-    reference_weight: Callable[[torch.Tensor | None, dict], torch.Tensor]
+    reference_weight: Callable[[torch.Tensor | None, dict, "torch.Tensor | None"], torch.Tensor]
     paths: dict[str, Path]
     dynamic_paths: tuple[str, ...] = ()   # paths that quantize x per token: a wider tolerance
     one_row_paths: tuple[str, ...] = ()   # paths that quantize a whole call with one scale: decode only
@@ -251,8 +253,16 @@ def _pack_int8(w, bias):
     return {"q": q, "scales": s, "scales_bf16": s.to(torch.bfloat16)}  # the kernel's own dtype: no cast per call
 
 
-def _int8_reference(w, t):
-    return t["q"].double() * t["scales"].double()[:, None]
+def _rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return t if rows is None else t[rows]
+
+
+def _plain_reference(w, t, rows=None):
+    return _rows(w, rows).double()
+
+
+def _int8_reference(w, t, rows=None):
+    return _rows(t["q"], rows).double() * _rows(t["scales"], rows).double()[:, None]
 
 
 def _prepack_int8(engine: str):
@@ -304,21 +314,21 @@ def _pack_int4(packed: bool, unpacked: bool):
     return pack
 
 
-def _onednn_reference(w, t):
-    return t["onednn"].to_dense().double()  # oneDNN's packed layout read back: exactly the weight it holds
+def _onednn_reference(w, t, rows=None):
+    return _rows(t["onednn"].to_dense(), rows).double()  # oneDNN's packed layout read back: exactly the weight it holds
 
 
-def _int4_reference(w, t):
+def _int4_reference(w, t, rows=None):
     if w is None:
         raise ValueError("int4pack keeps only the kernel's packed nibbles")
-    q, _ = quantize_int4_groups(w)  # deterministic: the q that pack stored
+    q, _ = quantize_int4_groups(_rows(w, rows))  # deterministic, row by row: the q that pack stored
     N, K = q.shape
-    sz = t["scales_zeros"].double().transpose(0, 1)  # (N, K/group, 2), as the kernel reads them (bf16)
+    sz = _rows(t["scales_zeros"].transpose(0, 1), rows).double()  # (N, K/group, 2), as the kernel reads them (bf16)
     return ((q.view(N, K // INT4_GROUP, -1).double() - 8) * sz[..., :1] + sz[..., 1:]).view(N, K)
 
 
 CPU_FORMATS: list[WeightFormat] = [
-    WeightFormat("plain", "float32", lambda w, b: {"weight": w.contiguous()}, lambda w, t: w.double(),
+    WeightFormat("plain", "float32", lambda w, b: {"weight": w.contiguous()}, _plain_reference,
                  {"F.linear": _plain}),
     WeightFormat("onednn", "float32", lambda w, b: {"onednn": torch.ops.mkldnn._reorder_linear_weight(w, 1)},
                  _onednn_reference, {"onednn": _onednn}, available=_has("mkldnn", "_reorder_linear_weight")),
@@ -329,10 +339,10 @@ CPU_FORMATS: list[WeightFormat] = [
                  _onednn_reference, {"onednn": _onednn}, available=_has("mkldnn", "_reorder_linear_weight")),
     WeightFormat("mkl", "float32",
                  lambda w, b: {"weight": w.contiguous(), "mkl": torch.ops.mkl._mkl_reorder_linear_weight(w, 1)},
-                 lambda w, t: w.double(), {"mkl": _mkl},
+                 _plain_reference, {"mkl": _mkl},
                  available=lambda: _has("mkl", "_mkl_linear")() and torch.backends.mkl.is_available()),
     WeightFormat("plain", "bfloat16", lambda w, b: {"weight": w.to(torch.bfloat16)},
-                 lambda w, t: t["weight"].double(), {"F.linear": _plain, "fp32 GEMM": _upcast}),
+                 lambda w, t, rows=None: _rows(t["weight"], rows).double(), {"F.linear": _plain, "fp32 GEMM": _upcast}),
     # Only the packed copy is kept (a plain one beside it would hold the weights twice); the plain format
     # above offers the float32-GEMM path for CPUs whose bf16 GEMM is slow.
     WeightFormat("onednn", "bfloat16",
