@@ -223,10 +223,7 @@ class BatchKV:
         """One live row, starting at column 0: it needs no attention mask (its positions are 0, 1, ...)."""
         return self.rows == 1 and bool(self.mask[0, 0])
 
-    def rewind(self, num_positions: int) -> None:
-        if not 0 <= num_positions <= self.pos:
-            raise ValueError(f"cannot rewind {num_positions} positions of a cache holding {self.pos}")
-        self.pos -= num_positions
+    rewind = KVCache.rewind  # one write position for every row: the same bookkeeping as a KVCache's
 
     def mark_lone_row(self) -> None:
         """After a round on lone_row(): the row's columns are [0, pos)."""
