@@ -60,6 +60,7 @@ MEASUREMENT_CACHE_VERSION = 5
 ROWS = {"decode": 1, "batch": 8, "prefill": 128, "long": 512}  # the rows each regime is timed at
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2 ** -7, "int8": 2 ** -7, "int4": 2 ** -7}  # relative, see _check
 REPEATS = 5
+LONG_SAMPLE_S = 0.1  # a call this long is timed once (_time_path)
 FEATURE_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile")
 
 
@@ -476,15 +477,18 @@ def _time_path(path, copies: list[dict], b, activation, x, best_so_far: float = 
     not lowered by it).
 
     The minimum, not the median: other work on the machine only ever adds time, so the fastest repeat
-    is the best estimate of the kernel's own cost. Repeats stop early once they take long, and after
-    two when both are 3x slower than the best path so far (it cannot win; one sample may be a spike).
+    is the best estimate of the kernel's own cost. Repeats stop early once they take long, after two
+    when both are 3x slower than the best path so far (it cannot win; one sample may be a spike), and
+    after one that took LONG_SAMPLE_S or more: a scheduler tick (4-8 ms here) moves such a call by a few
+    percent, and the lm_head's 512-row calls take 0.1-0.3 s each (a second sample of each path cost a
+    float32 plan ~1 s).
     """
     unwrapped = [_unwrap(c) for c in copies]
     for t in unwrapped if first_sample is None else ():  # oneDNN primitive caches, first use of each copy
         path(x, t, b, activation)
     samples = [] if first_sample is None else [first_sample]
     spent = sum(samples)
-    while len(samples) < REPEATS and (len(samples) < 2 or spent < 0.05):
+    while len(samples) < REPEATS and (len(samples) < 2 or spent < 0.05) and not (samples and spent >= LONG_SAMPLE_S):
         start = time.perf_counter()
         for t in unwrapped:
             path(x, t, b, activation)
