@@ -53,7 +53,8 @@ log = logging.getLogger(__name__)
 CACHE_VERSION = 6  # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
                    # 4: the bf16 oneDNN format keeps only its packed weight (no float32-GEMM path);
                    # 5: entries keyed by the layer's own precision (int4 and int8 plans share the int8 lm_head);
-                   # 6: int4's "dequant bf16" writes a (K, N) weight and fuses bias and GELU (faster: measure again)
+                   # 6: int4's "dequant bf16" writes a (K, N) weight and fuses bias and GELU; paths cast their
+                   # own input and return their kernel's dtype (int8's u8s8 no longer rounds x to bf16 first)
 # The files cached_measurement keeps (training.json, lm_head.json) carry their own version: a change
 # to the kernel plans above leaves them valid.
 MEASUREMENT_CACHE_VERSION = 5

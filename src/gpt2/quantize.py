@@ -95,6 +95,9 @@ def _int4_dequantize(nibbles: torch.Tensor, scales_zeros: torch.Tensor, dtype) -
 
 # ---------------------------------------------------------------------------------------------
 # paths: the kernels, each (x, tensors, bias, activation) -> y
+# A path casts x for its kernel (a no-op when it already is) and returns y in the kernel's own dtype:
+# FastLinear does no casting of its own, so a float32 x meets a u8s8 kernel (which quantizes float32)
+# with no round trip through bf16, and the lm_head's float32 logits are never rounded to bf16.
 # ---------------------------------------------------------------------------------------------
 
 def _act(y: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -102,16 +105,17 @@ def _act(y: torch.Tensor, activation: str | None) -> torch.Tensor:
 
 
 def _plain(x, t, bias, activation):
-    return _act(F.linear(x, t["weight"], bias), activation)
+    return _act(F.linear(x.to(t["weight"].dtype), t["weight"], bias), activation)
 
 
 def _upcast(x, t, bias, activation):
     """bf16 weights multiplied in float32: faster where a CPU's bf16 GEMM is slow (no native bf16)."""
     y = F.linear(x.float(), t["weight"].float(), None if bias is None else bias.float())
-    return _act(y, activation).to(x.dtype)
+    return _act(y, activation)
 
 
 def _onednn(x, t, bias, activation):
+    x = x.to(t["onednn"].dtype)
     if torch.compiler.is_compiling():  # opaque to Inductor, which lowers this op only for weights it packed
         return onednn_linear(x, t["onednn"], bias, activation is not None)
     if activation is None:
@@ -137,14 +141,14 @@ def _mkl(x, t, bias, activation):
 
 
 def _int8pack(x, t, bias, activation):
-    y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), t["q"], t["scales_bf16"])
-    return _act(y if bias is None else y + bias.to(y.dtype), activation).to(x.dtype)
+    y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), t["q"], t["scales_bf16"])  # (M, N) bf16
+    return _act(y if bias is None else y.add_(bias), activation)
 
 
 def _int8_dequant(dtype):
     def path(x, t, bias, activation):
         w = t["q"].to(dtype) * t["scales"].to(dtype)[:, None]  # (N, K): one pass, far below the GEMM's cost
-        return _act(F.linear(x.to(dtype), w, None if bias is None else bias.to(dtype)), activation).to(x.dtype)
+        return _act(F.linear(x.to(dtype), w, None if bias is None else bias.to(dtype)), activation)
     return path
 
 
@@ -154,23 +158,27 @@ _int8_dequant_bf16 = _int8_dequant(torch.bfloat16)  # one function for every int
 def _int8_dynamic(x, t, bias, activation):
     # x is quantized to uint8 per call (one scale for the whole call: kernels.py offers this path for
     # decode only, where a call is one token); the GEMM runs u8 x s8 with int32 accumulation.
-    y = torch.ops.quantized.linear_dynamic(x.float(), t["packed"], False)
-    return _act(y if bias is None else y + bias.float(), activation).to(x.dtype)
+    y = torch.ops.quantized.linear_dynamic(x.float(), t["packed"], False)  # (M, N) float32
+    return _act(y if bias is None else y.add_(bias), activation)
 
 
 def _int8_dynamic_rows(x, t, bias, activation):
     # Per-token quantization through the same per-call kernel: every row scaled to max |x| = 1 first,
     # so the call's one scale fits each row as well as its own would; the product is scaled back.
+    if x.size(0) == 1:  # one row already has its own scale
+        return _int8_dynamic(x, t, bias, activation)
     x = x.float()
     row_max = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)  # (M, 1)
-    y = torch.ops.quantized.linear_dynamic(x / row_max, t["packed"], False) * row_max
-    return _act(y if bias is None else y + bias.float(), activation).to(x.dtype)
+    y = torch.ops.quantized.linear_dynamic(x / row_max, t["packed"], False).mul_(row_max)  # (M, N) float32
+    return _act(y if bias is None else y.add_(bias), activation)
 
 
 def _int4pack(x, t, bias, activation):
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), t["int4pack"], INT4_GROUP,
-                                                   t["scales_zeros_padded"])[:, : t["out_features"]]
-    return _act(y if bias is None else y + bias.to(y.dtype), activation).to(x.dtype)
+                                                   t["scales_zeros_padded"])  # (M, N padded to 16) bf16
+    if y.size(1) != t["out_features"]:
+        y = y[:, : t["out_features"]]
+    return _act(y if bias is None else y.add_(bias), activation)
 
 
 def int4pack_dequantize(packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
@@ -204,13 +212,13 @@ def _int4pack_dequant(x, t, bias, activation):
     w = int4pack_dequantize(t["int4pack"], t["scales_zeros_padded"])[: t["out_features"]]  # padding rows dropped
     y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), w, None if bias is None else bias.to(torch.bfloat16),
                                            "none" if activation is None else "gelu", [], "" if activation is None else "tanh")
-    return y.to(x.dtype)
+    return y
 
 
 def _int4_dequant(x, t, bias, activation):
     w = _int4_dequantize(t["nibbles"], t["scales_zeros"], torch.float32).to(torch.bfloat16)  # no cancellation in bf16
     y = F.linear(x.to(torch.bfloat16), w, None if bias is None else bias.to(torch.bfloat16))
-    return _act(y, activation).to(x.dtype)
+    return _act(y, activation)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -442,7 +450,7 @@ class FastLinear(nn.Module):
                  paths: dict[str, str], activation: str | None = None, returns_kernel_dtype: bool = False):
         super().__init__()
         self.format, self.activation = fmt, activation
-        # returns_kernel_dtype: y stays in the kernel's dtype (bf16) instead of the input's. For layers
+        # returns_kernel_dtype: y stays in the kernel's dtype (bf16; float32 from a u8s8 kernel) instead of the input's. For layers
         # whose consumer is the next linear (which would cast it back) or the residual add (which
         # promotes to float32 exactly as a cast would): the same numbers, two casts fewer per layer.
         self.returns_kernel_dtype = returns_kernel_dtype
@@ -472,7 +480,7 @@ class FastLinear(nn.Module):
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).to(self.dtype).contiguous()  # (M, K); kernels need contiguous rows
+        x2 = x.reshape(-1, self.in_features).contiguous()  # (M, K); kernels need contiguous rows; the path casts
         y = self.paths[regime_of(x2.size(0))](x2, self.kernel_args, self.bias, self.activation)
         if not self.returns_kernel_dtype:
             y = y.to(x.dtype)
