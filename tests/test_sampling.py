@@ -232,3 +232,32 @@ def test_accept_drafts_keeps_drafts_the_target_agrees_with():
     for _ in range(20):
         accepted, next_ids = accept_drafts(impossible, q, torch.zeros(3, 3, dtype=torch.long), cfg, gen)
         assert accepted.tolist() == [0, 0, 0] and 0 not in next_ids.tolist()
+
+
+# --- drawing an id ----------------------------------------------------------------------------------
+
+def test_draw_follows_the_distribution_and_never_draws_an_impossible_id():
+    """Inverse transform sampling against the distribution it is given (unnormalised, with zeros, and a
+    wide one with GPT-2's vocabulary): Pearson's chi-square at test_speculative's significance."""
+    from test_speculative import ALPHA, chi_square_p_value
+
+    from gpt2.sampling import draw
+    g = torch.Generator().manual_seed(0)
+    small = torch.tensor([[0.0, 5.0, 2.0, 0.0, 3.0, 0.5]])  # sums to 10.5, two impossible ids
+    wide = (torch.randn(1, GPT2_VOCAB_SIZE, generator=g) * 4).softmax(-1)  # most mass on a few hundred ids
+    wide[0, wide[0].argmax()] = 0.0  # the likeliest id made impossible
+    for probs, n in ((small, 5_000), (wide, 5_000)):
+        ids = torch.cat([draw(probs, g) for _ in range(n)])
+        counts = torch.bincount(ids, minlength=probs.size(-1)).double()
+        assert chi_square_p_value(counts, (probs[0] / probs[0].sum()).double()) > ALPHA
+
+
+def test_draw_gives_each_row_its_own_generator_and_reproduces_with_a_seed():
+    """A row's draw depends only on its own generator (the server's sequences share no randomness), and
+    a seed gives the same ids again."""
+    from gpt2.sampling import draw
+    probs = torch.rand(3, 1000, generator=torch.Generator().manual_seed(1))
+    together = draw(probs, [torch.Generator().manual_seed(s) for s in (7, 8, 9)])
+    alone = torch.cat([draw(probs[i:i + 1], torch.Generator().manual_seed(s)) for i, s in enumerate((7, 8, 9))])
+    assert torch.equal(together, alone)
+    assert torch.equal(draw(probs, torch.Generator().manual_seed(3)), draw(probs, torch.Generator().manual_seed(3)))

@@ -85,16 +85,35 @@ def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Nucleus: drop the tokens outside the smallest set whose probability mass reaches p."""
+    """Nucleus: drop the tokens outside the smallest set whose probability mass reaches p.
+
+    Token j is dropped when its tail mass (its own probability and that of every less likely token) is at
+    most 1 - p; the most likely token is always kept. Transformers sorts all V logits and sums float32
+    probabilities from the least likely up; sorting GPT-2's 50,257 took 3.4 ms a row. Here only the k most
+    likely are sorted (torch.topk: 256 first, then 16 times more while the mass outside them exceeds 1 - p,
+    when not every token outside is certain to be dropped), and masses are summed in float64: the mass
+    outside the top k is the total less theirs, both summed from the same exponentials, so it keeps its
+    precision when it is tiny (p near 1). The kept set is the float64 nucleus, which is Transformers'
+    wherever its float32 rounding does not decide (tests/test_sampling.py).
+    """
     if p >= 1.0:
         return logits
-    # Summed from the least likely token up, the tail's mass is small numbers added first, so float32
-    # rounding cannot push it across 1 - p the way a cumulative sum from the top (~1) does.
-    sorted_logits, order = torch.sort(logits, descending=False, dim=-1)
-    tail_mass = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # (B, V): mass of this token and all below
-    drop = tail_mass <= 1 - p
-    drop[:, -1] = False  # always keep the most likely token
-    return logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    V = logits.size(-1)
+    exp = (logits - logits.amax(dim=-1, keepdim=True)).exp()  # (B, V) float32, the largest 1
+    total = exp.sum(dim=-1, keepdim=True, dtype=torch.float64)  # (B, 1)
+    k = min(V, 256)
+    while True:
+        order = logits.topk(k, dim=-1).indices  # (B, k), most likely first
+        top = exp.gather(-1, order).double()  # (B, k)
+        outside = (total - top.sum(dim=-1, keepdim=True)).clamp(min=0.0) / total  # (B, 1): the other V - k's mass
+        if k == V or bool((outside <= 1 - p).all()):
+            break  # every token outside the top k has a tail mass <= outside <= 1 - p: dropped
+        k = min(V, 16 * k)  # topk of 256 / 4096 / all took 0.12 / 0.6 / 3.7 ms: a flat distribution costs a sort
+    tail_mass = outside + (top / total).flip(-1).cumsum(dim=-1).flip(-1)  # (B, k): from the least likely up
+    keep = tail_mass > 1 - p
+    keep[:, 0] = True  # always keep the most likely token
+    kept = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, order, keep)
+    return logits.masked_fill(~kept, float("-inf"))
 
 
 def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
@@ -104,17 +123,28 @@ def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
 
 
 def draw(probs: torch.Tensor, generators: list[torch.Generator] | torch.Generator | None) -> torch.Tensor:
-    """One id per row from probs (B, V): one generator for the batch, or a list with one per row."""
-    if isinstance(generators, (list, tuple)):
-        return torch.cat([torch.multinomial(probs[i:i + 1], 1, generator=g) for i, g in enumerate(generators)]).view(-1)
-    return torch.multinomial(probs, 1, generator=generators).view(-1)
+    """One id per row from probs (B, V), which need not be normalised: one generator for the batch, or a
+    list with one per row.
+
+    Inverse transform sampling: one uniform u per row, and the first id whose cumulative mass (float64)
+    exceeds u times the total. An id of probability 0 adds nothing to the cumulative mass, so it is never
+    the first to exceed it. torch.multinomial draws V exponentials per row instead (~1 ms for GPT-2's
+    vocabulary on a CPU core, against ~0.04 ms here). Row by row: a (B, V) float64 temporary of a few MB
+    measured up to 2 ms in page faults.
+    """
+    u = uniform(probs.size(0), 1, generators, probs.device, torch.float64)  # (B, 1): 53 bits, finer than any id's mass
+    ids = []
+    for row, u_row in zip(probs, u):
+        cdf = row.double().cumsum(dim=0)  # (V,)
+        ids.append(torch.searchsorted(cdf, u_row * cdf[-1], right=True))  # (1,): the first cdf > u * total
+    return torch.cat(ids).clamp_(max=probs.size(-1) - 1)
 
 
-def uniform(batch_size: int, n: int, generators, device=None) -> torch.Tensor:
+def uniform(batch_size: int, n: int, generators, device=None, dtype=torch.float32) -> torch.Tensor:
     """(B, n) draws from U[0, 1): one generator for the batch, or a list with one per row."""
     if isinstance(generators, (list, tuple)):
-        return torch.stack([torch.rand(n, generator=g, device=device) for g in generators])
-    return torch.rand(batch_size, n, generator=generators, device=device)
+        return torch.stack([torch.rand(n, generator=g, device=device, dtype=dtype) for g in generators])
+    return torch.rand(batch_size, n, generator=generators, device=device, dtype=dtype)
 
 
 def process_logits(logits: torch.Tensor, cfg: SamplingConfig, seen=None, counts=None, bias=None) -> torch.Tensor:
