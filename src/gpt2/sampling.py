@@ -84,6 +84,11 @@ def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
+def _exact_dtype(device: torch.device) -> torch.dtype:
+    """float64 for sums of probabilities, where the device has it (MPS does not: float32 there)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
 def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     """Nucleus: drop the tokens outside the smallest set whose probability mass reaches p.
 
@@ -100,11 +105,11 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
         return logits
     V = logits.size(-1)
     exp = (logits - logits.amax(dim=-1, keepdim=True)).exp()  # (B, V) float32, the largest 1
-    total = exp.sum(dim=-1, keepdim=True, dtype=torch.float64)  # (B, 1)
+    total = exp.sum(dim=-1, keepdim=True, dtype=_exact_dtype(logits.device))  # (B, 1)
     k = min(V, 256)
     while True:
         order = logits.topk(k, dim=-1).indices  # (B, k), most likely first
-        top = exp.gather(-1, order).double()  # (B, k)
+        top = exp.gather(-1, order).to(total.dtype)  # (B, k)
         outside = (total - top.sum(dim=-1, keepdim=True)).clamp(min=0.0) / total  # (B, 1): the other V - k's mass
         if k == V or bool((outside <= 1 - p).all()):
             break  # every token outside the top k has a tail mass <= outside <= 1 - p: dropped
@@ -132,10 +137,11 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator] | torch.Generato
     vocabulary on a CPU core, against ~0.04 ms here). Row by row: a (B, V) float64 temporary of a few MB
     measured up to 2 ms in page faults.
     """
-    u = uniform(probs.size(0), 1, generators, probs.device, torch.float64)  # (B, 1): 53 bits, finer than any id's mass
+    exact = _exact_dtype(probs.device)
+    u = uniform(probs.size(0), 1, generators, probs.device, exact)  # (B, 1): 53 bits, finer than any id's mass
     ids = []
     for row, u_row in zip(probs, u):
-        cdf = row.double().cumsum(dim=0)  # (V,)
+        cdf = row.to(exact).cumsum(dim=0)  # (V,)
         ids.append(torch.searchsorted(cdf, u_row * cdf[-1], right=True))  # (1,): the first cdf > u * total
     return torch.cat(ids).clamp_(max=probs.size(-1) - 1)
 
