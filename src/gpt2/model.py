@@ -132,6 +132,13 @@ class Block(nn.Module):
         return x
 
 
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    """nn.Embedding, but on the meta device (a shell to load weights into) without its own N(0, 1) init:
+    normal_ there costs ~1 s once per process (it imports torch._dynamo), for values that do not exist."""
+    weight = torch.empty(num, dim)
+    return nn.Embedding(num, dim, _weight=weight) if weight.is_meta else nn.Embedding(num, dim)
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig, vocab_multiple: int = 1):
         """vocab_multiple > 1 pads wte's rows to a multiple (64 suits GEMM kernels); logits stay vocab_size wide."""
@@ -139,8 +146,8 @@ class GPT(nn.Module):
         self.config = config
         self.padded_vocab_size = math.ceil(config.vocab_size / vocab_multiple) * vocab_multiple
         self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(self.padded_vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.n_positions, config.n_embd),
+            wte=_embedding(self.padded_vocab_size, config.n_embd),
+            wpe=_embedding(config.n_positions, config.n_embd),
             drop=nn.Dropout(config.embd_pdrop),
             h=nn.ModuleList(Block(config, i) for i in range(config.n_layer)),
             ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon),
@@ -148,7 +155,8 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, self.padded_vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
         self.lm_head_plan: HeadPlan | None = None  # the training loss's kernel plan (train.py sets a measured one)
-        self.apply(self._init_weights)
+        if not self.lm_head.weight.is_meta:  # a shell on the meta device (to be loaded into) has no values to set
+            self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module):
         std = self.config.initializer_range
