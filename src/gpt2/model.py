@@ -135,8 +135,9 @@ class Block(nn.Module):
 def _embedding(num: int, dim: int) -> nn.Embedding:
     """nn.Embedding, but on the meta device (a shell to load weights into) without its own N(0, 1) init:
     normal_ there costs ~1 s once per process (it imports torch._dynamo), for values that do not exist."""
-    weight = torch.empty(num, dim)
-    return nn.Embedding(num, dim, _weight=weight) if weight.is_meta else nn.Embedding(num, dim)
+    if torch.empty(0).is_meta:  # built under torch.device("meta")
+        return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+    return nn.Embedding(num, dim)
 
 
 class GPT(nn.Module):
