@@ -210,9 +210,10 @@ def _int4pack_dequant(x, t, bias, activation):
     # Long prefills: one pass over the weight to make it bf16, then oneDNN's bf16 GEMM with the bias and
     # GELU fused, which for hundreds of rows runs faster than the int4 kernel's own (measured by kernels.py).
     w = int4pack_dequantize(t["int4pack"], t["scales_zeros_padded"])[: t["out_features"]]  # padding rows dropped
-    y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), w, None if bias is None else bias.to(torch.bfloat16),
-                                           "none" if activation is None else "gelu", [], "" if activation is None else "tanh")
-    return y
+    b = None if bias is None else bias.to(torch.bfloat16)
+    if activation is None:
+        return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), w, b, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), w, b, "gelu", [], "tanh")  # fused post-op
 
 
 def _int4_dequant(x, t, bias, activation):
@@ -450,9 +451,9 @@ class FastLinear(nn.Module):
                  paths: dict[str, str], activation: str | None = None, returns_kernel_dtype: bool = False):
         super().__init__()
         self.format, self.activation = fmt, activation
-        # returns_kernel_dtype: y stays in the kernel's dtype (bf16; float32 from a u8s8 kernel) instead of the input's. For layers
-        # whose consumer is the next linear (which would cast it back) or the residual add (which
-        # promotes to float32 exactly as a cast would): the same numbers, two casts fewer per layer.
+        # returns_kernel_dtype: y stays in the kernel's dtype (bf16; float32 from a u8s8 kernel) instead of
+        # the input's. For layers whose consumer is the next linear (which would cast it back) or the
+        # residual add (which promotes to float32 exactly as a cast would): the same numbers, fewer casts.
         self.returns_kernel_dtype = returns_kernel_dtype
         # torch.compile (the engine's compile=True) calls oneDNN through an opaque op; Inductor cannot
         # lower the int8 / int4 kernels on weights it did not pack itself.
