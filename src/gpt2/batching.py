@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gpt2.config import GPT2_EOT
-from gpt2.engine import DraftLength, Speculation, SpeculationStats, resolve_draft
+from gpt2.engine import DraftLength, Speculation, SpeculationStats, draft_fits, resolve_draft
 from gpt2.errors import ContextLengthError, GPT2Error, KVLimitExceeded
 from gpt2.kv_cache import BatchKV, KVCache
 from gpt2.sampling import SamplingConfig, SamplingState, accept_drafts, make_generators, next_tokens
@@ -595,7 +595,7 @@ class Scheduler:
         """seq's speculation state (its committed ids; its draft cache comes when it is first alone), if it
         may ever speculate."""
         if (self.draft is None or (seq.seed is not None and not seq.sampling.greedy) or seq.logprobs is not None
-                or seq.max_positions - 1 > self.draft.config.n_positions):
+                or not draft_fits(self.draft, seq.max_positions - 1)):
             return None
         ids = torch.zeros(1, seq.max_positions, dtype=torch.long, device=self.device)
         ids[0, :len(seq.prompt)] = torch.tensor(seq.prompt)

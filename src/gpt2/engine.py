@@ -475,8 +475,13 @@ class Speculation:
 _self_drafts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def draft_fits(draft, positions: int) -> bool:
+    """Whether the draft's context holds `positions` (prompt + max_new_tokens - 1): its cache needs them."""
+    return positions <= draft.config.n_positions
+
+
 def check_draft_context(draft, positions: int) -> None:
-    if positions > draft.config.n_positions:
+    if not draft_fits(draft, positions):
         raise ContextLengthError(f"the draft's context is {draft.config.n_positions} tokens; this request needs "
                                  f"{positions} (prompt + max_new_tokens - 1)")
 

@@ -212,7 +212,7 @@ def accept_drafts(target_logits: torch.Tensor, draft_probs: torch.Tensor | None,
     residual = (p_next - q_next).clamp(min=0)
     # A rejection means p < q somewhere, so p > q elsewhere; only rounding can leave no mass at all.
     residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_next)
-    return accepted, draw(residual / residual.sum(dim=-1, keepdim=True), generators)
+    return accepted, draw(residual, generators)  # draw normalises: no pass to divide by the sum
 
 
 def make_generators(seed, batch_size: int, device) -> torch.Generator | list[torch.Generator]:
