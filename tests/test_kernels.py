@@ -287,6 +287,31 @@ def test_a_wide_layer_is_checked_on_its_edge_outputs(monkeypatch):
     assert "broken/last column off" in choice.rejected and choice.format != "broken"
 
 
+def test_a_wide_layers_prefill_is_timed_on_its_leading_outputs_and_scaled(monkeypatch):
+    """Wider than WIDE_OUTPUTS, prefill and long run on the first WIDE_OUTPUTS + N % 64 outputs (still
+    checked there: a path wrong only at many rows is rejected) and their times are scaled by the width;
+    decode and batch run on the whole layer."""
+    from gpt2 import quantize
+    monkeypatch.setattr(kernels, "WIDE_OUTPUTS", 64)
+    N = 3 * 64 + 5
+    widths = {}
+
+    def wrong_at_many_rows(x, t, b, a):
+        widths.setdefault(x.size(0), set()).add(t["weight"].size(0))  # rows -> widths called with
+        y = F.linear(x, t["weight"], b)
+        return y + 1 if x.size(0) >= 128 else y
+    broken = quantize.WeightFormat("broken", "float32", lambda w, b: {"weight": w}, quantize._plain_reference,
+                                   {"wrong at many rows": wrong_at_many_rows})
+    monkeypatch.setattr(quantize, "CPU_FORMATS", quantize.CPU_FORMATS + [broken])
+    monkeypatch.setattr(kernels, "_time_path", lambda *a, **k: 1e-6)  # every call "takes" 1 us
+    choice = kernels.measure_shape("float32", N, 16, None)
+    assert "broken/wrong at many rows" in choice.rejected and choice.format != "broken"
+    assert widths == {1: {N}, 8: {N}, 128: {64 + 5}}  # rejected at 128 rows: never called at 512
+    plain = choice.timings_us["plain"]["F.linear"]
+    assert plain["decode"] == plain["batch"] == pytest.approx(1.0)
+    assert plain["prefill"] == plain["long"] == pytest.approx(N / (64 + 5))
+
+
 def test_int8_paths_shared_by_formats_are_measured_once(monkeypatch):
     """The three int8 formats quantize the weight alike, so int8pack_mm (in all three) is checked and timed
     once per regime and its timings reused; dequantizing paths are not timed at 1 or 8 rows."""

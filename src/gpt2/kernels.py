@@ -20,13 +20,14 @@ and each of its paths is
 Per format, each regime takes its fastest path; the format kept is the one whose regimes are, summed,
 closest to the best of each (time / best time, added over the four regimes).
 
-What keeps measuring to seconds (124M on 2 cores: bf16 ~3 s, float32 ~6 s, int8 ~8 s, int4 ~5 s, or
-~1 s once an int8 plan has measured the lm_head both share): each regime is measured across every
-format before the next, so a path that provably cannot win is skipped (_may_win); a path two formats
-share on the same tensors is measured once (WeightFormat.same_weights_as); paths that dequantize the
-whole weight per call are timed only at 128 and 512 rows; checks compare the edges of long calls and
-wide layers against one float64 reference per distinct weight, and at 128 and 512 rows the check's
-call is the first sample.
+What keeps measuring to seconds (124M on 2 cores, a fresh cache: bf16 ~2 s, float32 ~4 s, int8 ~4 s,
+int4 ~2 s): each regime is measured across every format before the next, so a path that provably
+cannot win is skipped (_may_win); a path two formats share on the same tensors is measured once
+(WeightFormat.same_weights_as); paths that dequantize the whole weight per call are timed only at 128
+and 512 rows; a layer wider than WIDE_OUTPUTS (the lm_head) times those two regimes on its leading
+outputs and scales the times by its width; checks compare the edges of long calls and wide layers
+against one float64 reference per distinct weight, and at 128 and 512 rows the check's call is the
+first sample. What is left is mostly packing the cold copies (int8's u8s8 engines: ~5 ms a copy).
 
 Results are cached per CPU model and features, torch version, thread count and candidate list, in
 $XDG_CACHE_HOME/gpt2/kernels.json (default ~/.cache), written atomically. A corrupt or foreign file
@@ -267,7 +268,16 @@ class Candidate:
     tensors: dict
     copies: list[dict]
     expected: Expected
+    bias: torch.Tensor  # in the kernel dtype
     twin: WeightFormat | None  # the candidate format.same_weights_as names (measured before this one)
+
+
+# Prefill and long are bound by FLOPs, and their time grows with a layer's width: a layer wider than
+# this (the lm_head: 50,257 outputs, a 512-row call 0.1-0.3 s per path) times them on its first
+# WIDE_OUTPUTS outputs, plus its width modulo 64 (so that a partial block stays partial), and scales
+# the times up by the width. Decode and batch, bound by memory, always time the whole layer.
+WIDE_OUTPUTS = 8192
+COLD_REGIMES = ("decode", "batch")  # timed over cold copies; the others over one warm copy
 
 
 @torch.inference_mode()
@@ -282,7 +292,62 @@ def measure_shape(precision: str, out_features: int, in_features: int, activatio
     dtype = kernel_dtype(precision)
     inputs = {r: torch.randn(n, in_features, generator=gen).to(dtype) for r, n in ROWS.items()}
     b = bias.to(dtype)
-    candidates, rejected = [], {}
+    rejected = {}
+    whole = _candidates(precision, w, bias, activation, rejected, cold_copies=True)
+    narrow_outputs = WIDE_OUTPUTS + out_features % 64
+    if out_features > narrow_outputs:
+        narrow = _candidates(precision, w[:narrow_outputs], bias[:narrow_outputs], activation, rejected,
+                             cold_copies=False)
+    else:
+        narrow, narrow_outputs = whole, out_features
+    timings = {}  # format -> path -> regime -> us
+    considered = set()  # (format, path, regime) decided: timed, rejected or skipped
+    for regime in REGIMES:
+        cold = regime in COLD_REGIMES
+        candidates, scale = (whole, 1.0) if cold else (narrow, out_features / narrow_outputs)
+        for c in candidates:
+            fmt = c.format
+            first = next(iter(fmt.paths))
+            for name, path in fmt.paths.items():
+                key = f"{fmt.name}/{name}"
+                if (key in rejected or (regime != "decode" and name in fmt.one_row_paths)
+                        or (cold and name in fmt.many_row_paths)):
+                    continue
+                considered.add((fmt.name, name, regime))
+                times = timings.get(fmt.name, {}).get(name, {})
+                twin = c.twin.name if c.twin is not None and c.twin.paths.get(name) is path else None
+                if twin is not None and (twin, name, regime) in considered and name != first:
+                    # the same kernel on the same tensors, decided in the twin format: reuse its result
+                    why = rejected.get(f"{twin}/{name}")
+                    elapsed = timings.get(twin, {}).get(name, {}).get(regime)
+                elif _may_win(regime, times, timings, always=name == first):
+                    dynamic = name in fmt.dynamic_paths
+                    why, checked = _check(path, c.tensors, c.bias, activation, c.expected, inputs[regime], dynamic)
+                    # decode and batch rotate over cold copies; prefill and long call the one copy the check
+                    # has just called, so that call is their warm-up and their first sample
+                    elapsed = None if why else scale * 1e6 * _time_path(
+                        path, c.copies if cold else c.copies[:1], c.bias, activation, inputs[regime],
+                        _best(timings, regime) / scale, first_sample=None if cold else checked)
+                else:
+                    continue
+                if why:
+                    rejected[key] = why
+                    timings.get(fmt.name, {}).pop(name, None)
+                elif elapsed is not None:
+                    timings.setdefault(fmt.name, {}).setdefault(name, {})[regime] = elapsed
+    timings = {f: paths for f, paths in timings.items() if paths}
+    if not timings:
+        raise RuntimeError(f"no {precision} kernel passed its check for {out_features}x{in_features}: {rejected}")
+    return _choose(timings, rejected)
+
+
+def _candidates(precision: str, w: torch.Tensor, bias: torch.Tensor, activation: str | None, rejected: dict,
+                cold_copies: bool) -> list[Candidate]:
+    """Every format of the precision packed from w (N, K), with its reference; a format whose packing
+    fails goes into `rejected`. cold_copies: also the copies decode and batch rotate over."""
+    dtype = kernel_dtype(precision)
+    b = bias.to(dtype)
+    candidates = []
     for fmt in formats_for(precision, "cpu"):
         twin = next((c for c in candidates if c.format.name == fmt.same_weights_as), None)
         try:
@@ -299,46 +364,9 @@ def measure_shape(precision: str, out_features: int, in_features: int, activatio
             expected = Expected(fmt, w, tensors, b.double(), activation, precision)
             # Formats computing with one weight (int8's three) share one: its products are the costly part of a check.
             expected = next((c.expected for c in candidates if c.expected.same_as(expected)), expected)
-        candidates.append(Candidate(fmt, tensors, _copies(fmt, w, bias, tensors), expected,
-                                    None if twin is None else twin.format))
-    timings = {}  # format -> path -> regime -> us
-    considered = set()  # (format, path, regime) decided: timed, rejected or skipped
-    for regime in REGIMES:
-        for c in candidates:
-            fmt = c.format
-            first = next(iter(fmt.paths))
-            for name, path in fmt.paths.items():
-                key = f"{fmt.name}/{name}"
-                if (key in rejected or (regime != "decode" and name in fmt.one_row_paths)
-                        or (regime in ("decode", "batch") and name in fmt.many_row_paths)):
-                    continue
-                considered.add((fmt.name, name, regime))
-                times = timings.get(fmt.name, {}).get(name, {})
-                twin = c.twin.name if c.twin is not None and c.twin.paths.get(name) is path else None
-                if twin is not None and (twin, name, regime) in considered and name != first:
-                    # the same kernel on the same tensors, decided in the twin format: reuse its result
-                    why = rejected.get(f"{twin}/{name}")
-                    elapsed = timings.get(twin, {}).get(name, {}).get(regime)
-                elif _may_win(regime, times, timings, always=name == first):
-                    dynamic = name in fmt.dynamic_paths
-                    why, checked = _check(path, c.tensors, b, activation, c.expected, inputs[regime], dynamic)
-                    # decode and batch rotate over cold copies; prefill and long call the one copy the check
-                    # has just called, so that call is their warm-up and their first sample
-                    cold = regime in ("decode", "batch")
-                    elapsed = None if why else _time_path(path, c.copies if cold else c.copies[:1], b, activation,
-                                                          inputs[regime], _best(timings, regime),
-                                                          first_sample=None if cold else checked) * 1e6
-                else:
-                    continue
-                if why:
-                    rejected[key] = why
-                    timings.get(fmt.name, {}).pop(name, None)
-                elif elapsed is not None:
-                    timings.setdefault(fmt.name, {}).setdefault(name, {})[regime] = elapsed
-    timings = {f: paths for f, paths in timings.items() if paths}
-    if not timings:
-        raise RuntimeError(f"no {precision} kernel passed its check for {out_features}x{in_features}: {rejected}")
-    return _choose(timings, rejected)
+        copies = _copies(fmt, w, bias, tensors) if cold_copies else [tensors]
+        candidates.append(Candidate(fmt, tensors, copies, expected, b, None if twin is None else twin.format))
+    return candidates
 
 
 def _copies(fmt, w, bias, tensors) -> list[dict]:
