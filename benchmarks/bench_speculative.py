@@ -37,34 +37,44 @@ from pathlib import Path
 
 import torch
 
-from gpt2.engine import Stream, make_config, quantized_copy
+from gpt2.engine import SpeculationStats, Stream, draft_costs, make_config, quantized_copy
 from gpt2.kernels import cpu_features, cpu_model, default_cache_path, memory_bandwidth_gbs
 
 
-def run(model, prompt, n, **options):
-    """(new ids, seconds, speculation stats or None) of one greedy generate call."""
+def run(model, prompts, n, **options):
+    """(new ids per prompt, seconds, speculation stats summed, or None) of one greedy generate call per prompt."""
     t = time.perf_counter()
-    steps = Stream(model, [prompt], make_config(max_new_tokens=n, ignore_eos=True, **options))
-    out = [s[0] for s in steps if s[0] is not None]
-    return out, time.perf_counter() - t, steps.speculation
+    outs, total = [], None
+    for prompt in prompts:
+        steps = Stream(model, [prompt], make_config(max_new_tokens=n, ignore_eos=True, **options))
+        outs.append([s[0] for s in steps if s[0] is not None])
+        if steps.speculation is not None:
+            total = total or SpeculationStats()
+            for f in ("rounds", "proposed", "accepted"):
+                setattr(total, f, getattr(total, f) + getattr(steps.speculation, f))
+    return outs, time.perf_counter() - t, total
 
 
-def compare(name: str, target, draft, prompt, n: int, rounds: int, k: int, fixed_k: list[int]) -> None:
+def compare(name: str, target, draft, prompts, n: int, rounds: int, k: int, fixed_k: list[int]) -> None:
     contenders = {"plain": {}, f"speculative, adaptive k from {k}": dict(draft=draft, draft_tokens=k)}
     contenders.update({f"speculative, k = {f} fixed": dict(draft=draft, draft_tokens=f, adaptive_draft=False)
                        for f in fixed_k})
-    run(target, prompt, 4)  # warm-up: first calls pay for allocation and kernel setup
-    run(target, prompt, 4, draft=draft, draft_tokens=k)
+    run(target, prompts[:1], 4)  # warm-up: first calls pay for allocation and kernel setup
+    run(target, prompts[:1], 4, draft=draft, draft_tokens=k)  # and the adaptive k's costs are measured (once)
+    costs = draft_costs(target, draft)
     times = {c: [] for c in contenders}
     results = {}
     for _ in range(rounds):
         for c, options in contenders.items():
-            out, seconds, stats = run(target, prompt, n, **options)
+            out, seconds, stats = run(target, prompts, n, **options)
             times[c].append(seconds)
             results[c] = (out, stats)
     plain_ids, _ = results["plain"]
     plain_s = statistics.median(times["plain"])
-    print(f"\n{name}: {n} new tokens after a {len(prompt)}-token prompt, median of {rounds} rounds")
+    tokens = n * len(prompts)
+    print(f"\n{name}: {n} new tokens after each of {len(prompts)} prompts ({', '.join(str(len(p)) for p in prompts)}"
+          f" tokens), median of {rounds} rounds; a draft step costs {costs.draft_step:.3f} target steps and each"
+          f" verified position {costs.verify_position:.3f} (measured for adaptive k)")
     print(f"  {'contender':34s} {'tok/s':>7s} {'speed-up':>8s} {'by round':>8s} {'accepted':>8s} {'tokens/fwd':>10s}"
           f"  equals plain")
     for c in contenders:
@@ -72,7 +82,7 @@ def compare(name: str, target, draft, prompt, n: int, rounds: int, k: int, fixed
         out, stats = results[c]
         acc = f"{stats.acceptance_rate:8.1%}" if stats else f"{'-':>8s}"
         per = f"{stats.tokens_per_round:10.2f}" if stats else f"{1.0:10.2f}"
-        print(f"  {c:34s} {n / s:7.2f} {plain_s / s:7.2f}x {median_of_rounds(times['plain'], times[c]):7.2f}x"
+        print(f"  {c:34s} {tokens / s:7.2f} {plain_s / s:7.2f}x {median_of_rounds(times['plain'], times[c]):7.2f}x"
               f" {acc} {per}  {out == plain_ids}")
 
 
@@ -97,11 +107,11 @@ def xl_case(args) -> None:
     print(f"\ngpt2-xl random weights built and the int4 draft packed in {time.perf_counter() - t:.0f} s")
     prompt = torch.randint(0, model.config.vocab_size, (16,), generator=torch.Generator().manual_seed(0)).tolist()
     target = quantized_copy(model, "bfloat16")
-    compare("gpt2-xl bfloat16, int4 self-draft", target, draft, prompt, args.tokens, args.rounds, args.k, args.fixed_k)
+    compare("gpt2-xl bfloat16, int4 self-draft", target, draft, [prompt], args.tokens, args.rounds, args.k, args.fixed_k)
     del target
     gc.collect()
     target = apply_plan(model, plan_for(model, "float32"))  # in place: no second float32 copy
-    compare("gpt2-xl float32, int4 self-draft", target, draft, prompt, args.tokens, args.rounds, args.k, args.fixed_k)
+    compare("gpt2-xl float32, int4 self-draft", target, draft, [prompt], args.tokens, args.rounds, args.k, args.fixed_k)
     del target, model, draft
     gc.collect()
 
@@ -109,6 +119,10 @@ def xl_case(args) -> None:
 PAIR = {"draft": dict(n_layer=4, n_head=4, n_embd=96),    # the quickstart recipe
         "target": dict(n_layer=6, n_head=6, n_embd=384)}  # the same recipe, wider and deeper
 TARGET_LR = 5e-4
+# Each greedy continuation settles into its own stretch of easy and hard tokens: three of them.
+PAIR_PROMPTS = ["ROMEO:\nWhat light through yonder window breaks? It is",
+                "KING HENRY:\nOnce more unto the breach, dear friends,",
+                "First Citizen:\nBefore we proceed any further, hear me speak."]
 
 
 def trained(role: str, args) -> Path:
@@ -147,11 +161,12 @@ def pair_case(args) -> None:
         print(f"  {role} {PAIR[role]}: step {last['step']}, val loss {last['val_loss']:.3f} ({path})")
     target = load_for_inference(paths["target"], "float32", device="cpu")
     draft = load_for_inference(paths["draft"], args.pair_draft_dtype, device="cpu")
-    prompt = Tokenizer.gpt2().encode("ROMEO:\nWhat light through yonder window breaks? It is")
-    n = min(args.tokens * 2, target.config.n_positions - len(prompt))
+    tok = Tokenizer.gpt2()
+    prompts = [tok.encode(text) for text in PAIR_PROMPTS]
+    n = min(args.tokens * 2, target.config.n_positions - max(len(p) for p in prompts))
     compare(f"trained pair: target {PAIR['target']} float32, draft {PAIR['draft']} {args.pair_draft_dtype}",
-            target, draft, prompt, n, args.rounds, args.k, args.fixed_k)
-    serve_case(target, draft, prompt, n, args)
+            target, draft, prompts, n, args.rounds, args.k, args.fixed_k)
+    serve_case(target, draft, prompts[0], n, args)
 
 
 def serve_scheduled(scheduler, prompt, n: int) -> tuple[list[int], float]:
@@ -205,7 +220,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per gpt2-xl call (twice that for the pair)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("-k", type=int, default=4, help="draft tokens per round (the adaptive one's start)")
-    parser.add_argument("--fixed-k", type=int, nargs="+", default=[2, 4], help="fixed draft lengths to time")
+    parser.add_argument("--fixed-k", type=int, nargs="+", default=[2, 3, 4], help="fixed draft lengths to time")
     # The 4 x 96 draft's step is per-op overhead and its 50,257-wide lm_head: int8 halves the bytes that
     # lm_head reads and proposes the same greedy ids here (acceptance equal to float32's).
     parser.add_argument("--pair-draft-dtype", default="int8", choices=["float32", "bfloat16", "int8", "int4"])

@@ -416,10 +416,15 @@ def naive(model, prompt: list[int], n: int) -> list[int]:
 
 @pytest.mark.parametrize("draft_name", ["itself", "another model"])
 @pytest.mark.parametrize("k", [1, 3, 8])
-def test_a_lone_greedy_sequence_speculates_and_decodes_what_plain_decoding_does(model, other_model, draft_name, k):
+def test_a_lone_greedy_sequence_speculates_and_decodes_what_plain_decoding_does(model, other_model, draft_name, k,
+                                                                             monkeypatch):
     """A draft that always agrees (the target itself: every draft kept) and one that never does (another
     random model: every round keeps the target's own token) both give generate_naive's tokens; a stop
-    id inside an accepted run ends the sequence there."""
+    id inside an accepted run ends the sequence there. Drafts are priced as cheap ones (the target as its
+    own draft costs a whole step a draft, for which adaptive k rightly stays at 1)."""
+    from gpt2 import batching
+    from gpt2.engine import DraftCosts
+    monkeypatch.setattr(batching, "draft_costs", lambda target, draft: DraftCosts(0.05, 0.01))
     draft = model if draft_name == "itself" else other_model
     prompt = random_prompt(9, 11)
     plain = naive(model, prompt, 40)

@@ -18,7 +18,8 @@ import torch
 from gpt2 import GPT, GPTConfig, KVCache
 from gpt2 import kernels
 from gpt2.config import GPT2_VOCAB_SIZE
-from gpt2.engine import Stream, generate, generate_naive, make_config, quantized_copy
+from gpt2 import engine
+from gpt2.engine import DraftCosts, DraftLength, Stream, generate, generate_naive, make_config, quantized_copy
 from gpt2.errors import ConfigError
 from gpt2.quantize import apply_plan
 from gpt2.sampling import SamplingConfig, process_logits
@@ -93,12 +94,61 @@ def test_greedy_with_adaptive_k_and_penalties_equals_the_target_alone(target, dr
     assert speculate(target, PROMPTS, draft=draft, draft_tokens=3, **options)[0] == reference
 
 
-def test_a_perfect_draft_keeps_every_token_and_k_grows(target):
+def test_a_perfect_draft_keeps_every_token_and_k_grows(target, monkeypatch):
+    # The target as its own draft costs a whole step per draft; priced as a cheap draft, k must grow.
+    monkeypatch.setattr(engine, "draft_costs", lambda t, d: DraftCosts(draft_step=0.05, verify_position=0.01))
     out, stats = speculate(target, [PROMPTS[0]], max_new_tokens=50, draft=target, draft_tokens=2)
     assert out == generate_naive(target, [PROMPTS[0]], max_new_tokens=50)
     assert stats.accepted == stats.proposed
     # k: 2, 4, 6, ... (capped by what is left): far fewer rounds than tokens
     assert stats.rounds <= 7 and stats.tokens_per_round > 7
+
+
+def optimal_k(alpha: float, costs) -> int:
+    """The k with the most expected tokens per cost when every draft is accepted with probability alpha."""
+    return max(range(1, engine.MAX_DRAFT_TOKENS + 1),
+               key=lambda k: (1 - alpha ** (k + 1)) / (1 - alpha) / costs.round(k))
+
+
+@pytest.mark.parametrize("alpha, draft_step", [(0.9, 0.05), (0.8, 0.15), (0.7, 0.42), (0.3, 0.1), (0.97, 0.02)])
+def test_adaptive_k_settles_where_tokens_per_cost_peak(alpha, draft_step):
+    """Rounds whose drafts are each accepted with probability alpha: the k the schedule settles on is the
+    analytic optimum's, or one whose expected tokens per cost are within 3% of it."""
+    costs = DraftCosts(draft_step=draft_step, verify_position=0.02)
+    schedule = DraftLength(4, True, costs)
+    gen = torch.Generator().manual_seed(0)
+    chosen = []
+    for _ in range(400):
+        k = schedule.k
+        accepted = 0
+        while accepted < k and torch.rand((), generator=gen).item() < alpha:
+            accepted += 1
+        schedule.update(k, accepted)
+        chosen.append(schedule.k)
+    settled = max(set(chosen[100:]), key=chosen[100:].count)  # the k it chose most after 100 rounds
+    best = optimal_k(alpha, costs)
+
+    def value(k):
+        return (1 - alpha ** (k + 1)) / (1 - alpha) / costs.round(k)
+    assert value(settled) >= 0.97 * value(best), (settled, best)
+
+
+def test_a_draft_as_dear_as_the_target_is_kept_at_one_token():
+    schedule = DraftLength(4, True, DraftCosts(draft_step=1.0, verify_position=0.05))
+    for _ in range(20):
+        schedule.update(schedule.k, schedule.k)  # every draft accepted, yet each costs a target step
+    assert schedule.k == 1
+
+
+def test_draft_costs_are_measured_once_then_read_from_the_cache(target, draft, monkeypatch):
+    calls = []
+    real = engine._forward_seconds
+    monkeypatch.setattr(engine, "_forward_seconds", lambda m, n: calls.append(n) or real(m, n))
+    first = engine.draft_costs(target, draft)
+    assert len(calls) == 3 and first.draft_step > 0 and first.verify_position >= 0
+    assert engine.draft_costs(target, draft) == first and len(calls) == 3  # the cache
+    other = perturbed(target, 0.3, seed=2)  # the same shapes and formats: the same costs
+    assert engine.draft_costs(target, other) == first and len(calls) == 3
 
 
 def test_adaptive_k_shrinks_when_drafts_are_rejected(target):

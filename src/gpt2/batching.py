@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gpt2.config import GPT2_EOT
-from gpt2.engine import DraftLength, Speculation, SpeculationStats, draft_fits, resolve_draft
+from gpt2.engine import DraftLength, Speculation, SpeculationStats, draft_costs, draft_fits, resolve_draft
 from gpt2.errors import ContextLengthError, GPT2Error, KVLimitExceeded
 from gpt2.kv_cache import BatchKV, KVCache
 from gpt2.sampling import SamplingConfig, SamplingState, accept_drafts, make_generators, next_tokens
@@ -229,6 +229,7 @@ class Scheduler:
         # speculation for a lone greedy sequence (the module docstring); draft: a GPT or "self:int8" / "self:int4"
         self.draft = None if draft is None else resolve_draft(self.model, draft)
         self.draft_tokens, self.adaptive_draft = draft_tokens, adaptive_draft
+        self._draft_costs = None                    # measured (or read from the cache) at the first speculation
         self.speculation = SpeculationStats()       # rounds run, drafts proposed and kept, all sequences
         self.error: BaseException | None = None
 
@@ -601,8 +602,13 @@ class Scheduler:
         ids[0, :len(seq.prompt)] = torch.tensor(seq.prompt)
         ids[0, len(seq.prompt)] = seq._next
         return Speculation(self.model, self.draft, ids, len(seq.prompt) + 1, len(seq.prompt), self.kv,
-                           None, seq._state, seq.sampling, DraftLength(self.draft_tokens, self.adaptive_draft),
+                           None, seq._state, seq.sampling, self._draft_length(),
                            generators=seq._generator, stats=self.speculation)
+
+    def _draft_length(self) -> DraftLength:
+        if self.adaptive_draft and self._draft_costs is None:  # the scheduler thread: it alone runs the models
+            self._draft_costs = draft_costs(self.model, self.draft)
+        return DraftLength(self.draft_tokens, self.adaptive_draft, self._draft_costs)
 
     def _sample(self, seq: Continuation, logits: torch.Tensor) -> int | None:
         """Sample seq's next id from its logits (1, V), emit it; None (and finished) on a stop id or the limit."""

@@ -36,6 +36,7 @@ Stop strings are text, so they are matched at the edges (the CLI, the server) wi
 
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -340,15 +341,111 @@ class SpeculationStats:
 
 
 @dataclass
+class DraftCosts:
+    """What a round costs, in target decode steps: a draft step, and each position a verify adds to the
+    target's one-position forward. A round of k drafts costs k * draft_step + 1 + k * verify_position."""
+    draft_step: float
+    verify_position: float
+
+    def round(self, k: int) -> float:
+        return 1.0 + k * (self.draft_step + self.verify_position)
+
+
+def _forward_seconds(model, positions: int, repeats: int = 5) -> float:
+    """The fastest of `repeats` forwards over `positions` new ids after a context of up to 16 ids (all
+    logits, as a verify computes them; other work on the machine only ever adds time)."""
+    context = max(0, min(16, model.config.n_positions - positions))
+    cache = KVCache.for_model(model, 1, context + positions)
+    device = cache.k[0].device
+    if context:
+        model(torch.zeros(1, context, dtype=torch.long, device=device), cache=cache, last_logits_only=True)
+    ids = torch.zeros(1, positions, dtype=torch.long, device=device)
+    best = float("inf")
+    for i in range(repeats + 1):  # the first is a warm-up
+        start = time.perf_counter()
+        model(ids, cache=cache)
+        elapsed = time.perf_counter() - start
+        cache.rewind(positions)
+        best = elapsed if i and elapsed < best else best
+    return best
+
+
+VERIFY_PROBE = 8  # drafts in the verify whose cost is measured; fewer or more are interpolated linearly
+
+
+def _model_signature(model) -> dict:
+    """What a forward's time depends on: the shape, and every linear's weight format (or dtype)."""
+    from gpt2.quantize import FastLinear
+    c = model.config
+    formats = sorted({f"{m.format.precision} {m.format.name}" if isinstance(m, FastLinear) else str(m.weight.dtype)
+                      for m in model.modules() if isinstance(m, (FastLinear, torch.nn.Linear))})
+    return {"n_layer": c.n_layer, "n_head": c.n_head, "n_embd": c.n_embd, "vocab": model.padded_vocab_size,
+            "device": str(model.transformer.wte.weight.device), "linears": formats}
+
+
+@torch.inference_mode()
+def draft_costs(target, draft) -> DraftCosts:
+    """The pair's DraftCosts, measured once per machine and pair (~15 forwards of each model: under a second
+    for GPT-2 124M, a few for gpt2-xl), then read from the cache beside the kernel plans."""
+    from gpt2.kernels import cached_measurement
+
+    def measure() -> dict:
+        step = _forward_seconds(target, 1)
+        positions = min(VERIFY_PROBE, target.config.n_positions - 1)
+        verify = _forward_seconds(target, 1 + positions) if positions else step
+        return {"draft_step": _forward_seconds(draft, 1) / step,
+                "verify_position": max(0.0, verify - step) / step / max(positions, 1)}
+    costs, _ = cached_measurement("speculation", {"target": _model_signature(target), "draft": _model_signature(draft)},
+                                  measure, validate=lambda entry: DraftCosts(**entry))
+    return DraftCosts(**costs)
+
+
+@dataclass
 class DraftLength:
-    """k for the next round. Adaptive, as Hugging Face's assisted generation does it: +2 after a round that
-    kept every draft, -1 after one that rejected some (a long draft then costs little when acceptance falls)."""
+    """k for the next round: fixed, or (adaptive) the k expected to give the most tokens per unit of time.
+
+    Each round's outcome (k proposed, n accepted) counts, for every draft position i, whether the round
+    reached it (drafts 1..i-1 accepted, i <= k) and whether it was accepted there. From those counts,
+    p_i = P(draft i accepted | drafts 1..i-1 were), with one pseudo-count at p_(i-1) (p_0 = 1/2), so a
+    position never reached yet is taken to be as likely as the one before it. Recent rounds weigh more
+    (DECAY per round): acceptance drifts with the text. Then, with the costs measured for the pair,
+        k = argmax_k  E[tokens | k] / costs.round(k),   E[tokens | k] = 1 + sum_(j <= k) prod_(i <= j) p_i
+    over k <= the last k + GROWTH: k shrinks when acceptance falls or drafting is dear, and grows when
+    acceptance is high.
+    The outcomes alone decide k (never a clock), so a seed reproduces the same rounds.
+    """
     k: int
     adaptive: bool = True
+    costs: DraftCosts | None = None  # required when adaptive
+    reached: list[float] = field(default_factory=lambda: [0.0] * MAX_DRAFT_TOKENS)
+    accepted: list[float] = field(default_factory=lambda: [0.0] * MAX_DRAFT_TOKENS)
+
+    DECAY = 0.9  # per round: a round 7 rounds ago counts half
+    GROWTH = 2   # k grows by at most this a round: the positions beyond it were extrapolated, not measured
 
     def update(self, proposed: int, accepted: int) -> None:
-        if self.adaptive and proposed:
-            self.k = min(MAX_DRAFT_TOKENS, self.k + 2) if accepted == proposed else max(1, self.k - 1)
+        if not self.adaptive or not proposed:
+            return
+        for i in range(MAX_DRAFT_TOKENS):
+            self.reached[i] = self.DECAY * self.reached[i] + (i < proposed and i <= accepted)
+            self.accepted[i] = self.DECAY * self.accepted[i] + (i < accepted)
+        p = self.acceptance()
+        self.k = max(range(1, min(MAX_DRAFT_TOKENS, self.k + self.GROWTH) + 1), key=lambda k: self.tokens_per_cost(k, p))
+
+    def acceptance(self) -> list[float]:
+        """p_1 .. p_MAX_DRAFT_TOKENS, as the class docstring defines them."""
+        p, previous = [], 0.5
+        for reached, accepted in zip(self.reached, self.accepted):
+            previous = (accepted + previous) / (reached + 1.0)
+            p.append(previous)
+        return p
+
+    def tokens_per_cost(self, k: int, p: list[float]) -> float:
+        expected, survive = 1.0, 1.0
+        for p_i in p[:k]:
+            survive *= p_i
+            expected += survive
+        return expected / self.costs.round(k)
 
 
 class Speculation:
@@ -387,7 +484,8 @@ class Speculation:
         state = SamplingState(rows, cfg.sampling, target.config.vocab_size, device)
         spec = cls(target, draft, seq, P, P, KVCache.for_model(target, B, P + N - 1),
                    KVCache.for_model(draft, B, P + N - 1), state, cfg.sampling,
-                   DraftLength(cfg.draft_tokens, cfg.adaptive_draft),
+                   DraftLength(cfg.draft_tokens, cfg.adaptive_draft,
+                               draft_costs(target, draft) if cfg.adaptive_draft else None),
                    None if cfg.sampling.greedy else make_generators(cfg.seed, B, device),
                    mask if any(len(r) != P for r in rows) else None)
         if P > 1:
