@@ -11,6 +11,7 @@ a draft for stop strings; apply_plan on a deep copy for the quantized self-draft
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -389,3 +390,9 @@ def test_cli_generate_with_a_draft_prints_the_plain_greedy_text(tmp_path, capsys
     for draft in (["--draft", "self:int8"], ["--draft", str(tmp_path / "draft"), "--draft-tokens", "3", "--stream"]):
         assert main(base + draft) == 0
         assert capsys.readouterr().out == plain
+    # --verbose also reports the rounds: 20 tokens = the kept drafts + one target token a round
+    assert main(base + ["--draft", str(tmp_path / "draft"), "--verbose"]) == 0
+    captured = capsys.readouterr()
+    report = re.search(r"speculation: (\d+) rounds, (\d+) of (\d+) drafts kept", captured.err)
+    assert report and int(report[1]) + int(report[2]) == 20 and int(report[2]) <= int(report[3])
+    assert plain in captured.out

@@ -395,16 +395,27 @@ def cmd_generate(args):
                       presence_penalty=args.presence_penalty, ignore_eos=args.ignore_eos, truncate=args.truncate,
                       compile=args.compile, draft=draft, draft_tokens=args.draft_tokens,
                       adaptive_draft=not args.fixed_draft_tokens)
-    ended = 0
-    for chunk in _generate_text(model, tok, prompt, cfg, args.num_samples, args.seed, args.stop, args.stream):
+    ended, speculation = 0, []
+    for chunk in _generate_text(model, tok, prompt, cfg, args.num_samples, args.seed, args.stop, args.stream,
+                                speculation):
         if chunk is None:  # the end of one sample
             ended += 1
             chunk = "\n" + ("-" * 40 + "\n" if ended < args.num_samples else "")
         print(chunk, end="", flush=True)
+    if args.verbose and draft is not None:
+        from gpt2.engine import draft_costs
+        rounds, proposed, accepted = (sum(getattr(s, f) for s in speculation) for f in ("rounds", "proposed", "accepted"))
+        costs = draft_costs(model, draft)
+        print(f"speculation: {rounds} rounds, {accepted} of {proposed} drafts kept "
+              f"({accepted / max(proposed, 1):.1%}), {(accepted + rounds) / max(rounds, 1):.2f} tokens per target "
+              f"forward; a draft step costs {costs.draft_step:.3f} target steps, a verified position "
+              f"{costs.verify_position:.3f} (adaptive k weighs them)", file=sys.stderr)
 
 
-def _generate_text(model, tok, prompt: str, cfg, num_samples: int, seed, stop: list[str], stream: bool):
-    """Text chunks of each sample in turn (prompt first), None after each sample.
+def _generate_text(model, tok, prompt: str, cfg, num_samples: int, seed, stop: list[str], stream: bool,
+                   speculation: list | None = None):
+    """Text chunks of each sample in turn (prompt first), None after each sample. With a draft, each
+    Stream's SpeculationStats is appended to `speculation`.
 
     Sample i draws from its own generator (seed + i), so streaming the samples one at a time prints
     exactly what one batch of all of them generates.
@@ -429,6 +440,8 @@ def _generate_text(model, tok, prompt: str, cfg, num_samples: int, seed, stop: l
                     steps.finish(r)
                 if stream and chunk:
                     yield chunk
+        if speculation is not None and steps.speculation is not None:
+            speculation.append(steps.speculation)
         for text in texts:
             rest = text.flush()  # text held back for a stop string that never came, or a partial character
             yield rest if stream else prompt + text.text

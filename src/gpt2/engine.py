@@ -360,10 +360,13 @@ def _forward_seconds(model, positions: int, repeats: int = 5) -> float:
     if context:
         model(torch.zeros(1, context, dtype=torch.long, device=device), cache=cache, last_logits_only=True)
     ids = torch.zeros(1, positions, dtype=torch.long, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # CUDA runs asynchronously
     best = float("inf")
     for i in range(repeats + 1):  # the first is a warm-up
+        sync()
         start = time.perf_counter()
         model(ids, cache=cache)
+        sync()
         elapsed = time.perf_counter() - start
         cache.rewind(positions)
         best = elapsed if i and elapsed < best else best
@@ -404,47 +407,45 @@ def draft_costs(target, draft) -> DraftCosts:
 class DraftLength:
     """k for the next round: fixed, or (adaptive) the k expected to give the most tokens per unit of time.
 
-    Each round's outcome (k proposed, n accepted) counts, for every draft position i, whether the round
-    reached it (drafts 1..i-1 accepted, i <= k) and whether it was accepted there. From those counts,
-    p_i = P(draft i accepted | drafts 1..i-1 were), with one pseudo-count at p_(i-1) (p_0 = 1/2), so a
-    position never reached yet is taken to be as likely as the one before it. Recent rounds weigh more
-    (DECAY per round): acceptance drifts with the text. Then, with the costs measured for the pair,
-        k = argmax_k  E[tokens | k] / costs.round(k),   E[tokens | k] = 1 + sum_(j <= k) prod_(i <= j) p_i
-    over k <= the last k + GROWTH: k shrinks when acceptance falls or drafting is dear, and grows when
-    acceptance is high.
-    The outcomes alone decide k (never a clock), so a seed reproduces the same rounds.
+    Acceptance comes in runs (an easy stretch of text, then a hard token), so two chances are counted
+    over the rounds so far, recent ones weighted more (DECAY per round): p1, that a round's first draft
+    is accepted, and p, that a later draft is accepted given the one before it was (pooled over the
+    positions 2..k: a few rounds measure it). Each has one pseudo-count, p1 at 1/2 and p at p1. Then,
+    with the costs measured for the pair,
+        k = argmax_k  E[tokens | k] / costs.round(k),   E[tokens | k] = 1 + p1 (1 + p + ... + p^(k-1))
+    over last k // 2 <= k <= last k + GROWTH: k shrinks when acceptance falls or drafting is dear, and
+    grows when acceptance is high. The outcomes alone decide k (never a clock), so a seed reproduces
+    the same rounds.
     """
     k: int
     adaptive: bool = True
     costs: DraftCosts | None = None  # required when adaptive
-    reached: list[float] = field(default_factory=lambda: [0.0] * MAX_DRAFT_TOKENS)
-    accepted: list[float] = field(default_factory=lambda: [0.0] * MAX_DRAFT_TOKENS)
+    first: tuple[float, float] = (0.0, 0.0)  # (rounds, of which the first draft was accepted), decayed
+    later: tuple[float, float] = (0.0, 0.0)  # (later drafts reached, of which accepted), decayed
 
     DECAY = 0.9  # per round: a round 7 rounds ago counts half
-    GROWTH = 2   # k grows by at most this a round: the positions beyond it were extrapolated, not measured
+    # k grows by at most GROWTH a round (positions beyond the last k are extrapolated, not measured) and
+    # at most halves (one early rejection, with little counted yet, would otherwise drop it to 1)
+    GROWTH = 2
 
     def update(self, proposed: int, accepted: int) -> None:
         if not self.adaptive or not proposed:
             return
-        for i in range(MAX_DRAFT_TOKENS):
-            self.reached[i] = self.DECAY * self.reached[i] + (i < proposed and i <= accepted)
-            self.accepted[i] = self.DECAY * self.accepted[i] + (i < accepted)
-        p = self.acceptance()
-        self.k = max(range(1, min(MAX_DRAFT_TOKENS, self.k + self.GROWTH) + 1), key=lambda k: self.tokens_per_cost(k, p))
+        d = self.DECAY
+        self.first = (d * self.first[0] + 1, d * self.first[1] + (accepted > 0))
+        # drafts 2..k are reached while the one before was accepted: 2..min(accepted + 1, k)
+        self.later = (d * self.later[0] + min(accepted, proposed - 1), d * self.later[1] + max(0, accepted - 1))
+        p1, p = self.acceptance()
+        lowest, highest = max(1, self.k // 2), min(MAX_DRAFT_TOKENS, self.k + self.GROWTH)
+        self.k = max(range(lowest, highest + 1), key=lambda k: self.tokens_per_cost(k, p1, p))
 
-    def acceptance(self) -> list[float]:
-        """p_1 .. p_MAX_DRAFT_TOKENS, as the class docstring defines them."""
-        p, previous = [], 0.5
-        for reached, accepted in zip(self.reached, self.accepted):
-            previous = (accepted + previous) / (reached + 1.0)
-            p.append(previous)
-        return p
+    def acceptance(self) -> tuple[float, float]:
+        """(p1, p), as the class docstring defines them."""
+        p1 = (self.first[1] + 0.5) / (self.first[0] + 1.0)
+        return p1, (self.later[1] + p1) / (self.later[0] + 1.0)
 
-    def tokens_per_cost(self, k: int, p: list[float]) -> float:
-        expected, survive = 1.0, 1.0
-        for p_i in p[:k]:
-            survive *= p_i
-            expected += survive
+    def tokens_per_cost(self, k: int, p1: float, p: float) -> float:
+        expected = 1.0 + p1 * sum(p ** i for i in range(k))
         return expected / self.costs.round(k)
 
 

@@ -291,7 +291,6 @@ def measure_shape(precision: str, out_features: int, in_features: int, activatio
     bias = torch.randn(out_features, generator=gen) * 0.02
     dtype = kernel_dtype(precision)
     inputs = {r: torch.randn(n, in_features, generator=gen).to(dtype) for r, n in ROWS.items()}
-    b = bias.to(dtype)
     rejected = {}
     whole = _candidates(precision, w, bias, activation, rejected, cold_copies=True)
     narrow_outputs = WIDE_OUTPUTS + out_features % 64
