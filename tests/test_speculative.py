@@ -177,13 +177,21 @@ def test_a_draft_as_dear_as_the_target_is_kept_at_one_token():
 
 def test_draft_costs_are_measured_once_then_read_from_the_cache(target, draft, monkeypatch):
     calls = []
-    real = engine._forward_seconds
-    monkeypatch.setattr(engine, "_forward_seconds", lambda m, n: calls.append(n) or real(m, n))
+    real = engine._round_seconds
+    monkeypatch.setattr(engine, "_round_seconds", lambda spec, k: calls.append(k) or real(spec, k))
     first = engine.draft_costs(target, draft)
-    assert len(calls) == 3 and first.draft_step > 0 and first.verify_position >= 0
-    assert engine.draft_costs(target, draft) == first and len(calls) == 3  # the cache
+    assert calls == [0, engine.PROBE_DRAFTS] and first.draft_step > 0 and first.verify_position >= 0
+    assert engine.draft_costs(target, draft) == first and len(calls) == 2  # the cache
     other = perturbed(target, 0.3, seed=2)  # the same shapes and formats: the same costs
-    assert engine.draft_costs(target, other) == first and len(calls) == 3
+    assert engine.draft_costs(target, other) == first and len(calls) == 2
+
+
+def test_measuring_a_round_leaves_both_caches_where_they_were(target, draft):
+    spec = engine.Speculation.for_prompts(target, draft, [PROMPTS[0]], make_config(
+        max_new_tokens=10, draft=draft, draft_tokens=4, adaptive_draft=False))
+    before = spec.target_cache.pos, spec.draft_cache.pos, spec.length
+    propose, verify = engine._round_seconds(spec, 4, repeats=2)
+    assert propose > 0 and verify > 0 and (spec.target_cache.pos, spec.draft_cache.pos, spec.length) == before
 
 
 def test_adaptive_k_shrinks_when_drafts_are_rejected(target):

@@ -351,29 +351,30 @@ class DraftCosts:
         return 1.0 + k * (self.draft_step + self.verify_position)
 
 
-def _forward_seconds(model, positions: int, repeats: int = 5) -> float:
-    """The fastest of `repeats` forwards over `positions` new ids after a context of up to 16 ids (all
-    logits, as a verify computes them; other work on the machine only ever adds time)."""
-    context = max(0, min(16, model.config.n_positions - positions))
-    cache = KVCache.for_model(model, 1, context + positions)
-    device = cache.k[0].device
-    if context:
-        model(torch.zeros(1, context, dtype=torch.long, device=device), cache=cache, last_logits_only=True)
-    ids = torch.zeros(1, positions, dtype=torch.long, device=device)
+PROBE_DRAFTS = 8  # drafts in the rounds whose cost is measured; other k are interpolated linearly
+
+
+def _round_seconds(spec: "Speculation", k: int, repeats: int = 5) -> tuple[float, float]:
+    """(propose, verify) seconds of one round of k drafts as the engine runs it (forwards, the logits'
+    processing, argmax), the fastest of `repeats` (other work on the machine only ever adds time);
+    both caches are rewound after each, so every repeat starts where the first did."""
+    device = spec.seq.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # CUDA runs asynchronously
-    best = float("inf")
+    best = (float("inf"), float("inf"))
     for i in range(repeats + 1):  # the first is a warm-up
         sync()
         start = time.perf_counter()
-        model(ids, cache=cache)
+        drafts, _ = spec.propose(k)
         sync()
-        elapsed = time.perf_counter() - start
-        cache.rewind(positions)
-        best = elapsed if i and elapsed < best else best
+        proposed = time.perf_counter()
+        spec.verify(drafts)
+        sync()
+        verified = time.perf_counter()
+        spec.draft_cache.rewind(k)
+        spec.target_cache.rewind(k + 1)
+        if i:
+            best = (min(best[0], proposed - start), min(best[1], verified - proposed))
     return best
-
-
-VERIFY_PROBE = 8  # drafts in the verify whose cost is measured; fewer or more are interpolated linearly
 
 
 def _model_signature(model) -> dict:
@@ -388,18 +389,25 @@ def _model_signature(model) -> dict:
 
 @torch.inference_mode()
 def draft_costs(target, draft) -> DraftCosts:
-    """The pair's DraftCosts, measured once per machine and pair (~15 forwards of each model: under a second
-    for GPT-2 124M, a few for gpt2-xl), then read from the cache beside the kernel plans."""
+    """The pair's DraftCosts, measured once per machine and pair, then read from the cache beside the
+    kernel plans: greedy rounds of 0 and PROBE_DRAFTS drafts after a 16-token prompt, as
+    Speculation runs them (~15 target forwards and ~50 draft steps: under a second for GPT-2 124M, a
+    few for gpt2-xl). A round of 0 drafts is one target step with its processing, as plain decoding's."""
     from gpt2.kernels import cached_measurement
 
     def measure() -> dict:
-        step = _forward_seconds(target, 1)
-        positions = min(VERIFY_PROBE, target.config.n_positions - 1)
-        verify = _forward_seconds(target, 1 + positions) if positions else step
-        return {"draft_step": _forward_seconds(draft, 1) / step,
-                "verify_position": max(0.0, verify - step) / step / max(positions, 1)}
-    costs, _ = cached_measurement("speculation", {"target": _model_signature(target), "draft": _model_signature(draft)},
-                                  measure, validate=lambda entry: DraftCosts(**entry))
+        context = min(target.config.n_positions, draft.config.n_positions)
+        k = min(PROBE_DRAFTS, context - 2)
+        if k < 1:  # no room for a round: count a draft as dear as the target
+            return {"draft_step": 1.0, "verify_position": 0.0}
+        prompt = [0] * min(16, context - k - 1)
+        spec = Speculation.for_prompts(target, draft, [prompt], make_config(
+            max_new_tokens=k + 1, ignore_eos=True, draft=draft, draft_tokens=k, adaptive_draft=False))
+        _, step = _round_seconds(spec, 0)
+        propose, verify = _round_seconds(spec, k)
+        return {"draft_step": propose / k / step, "verify_position": max(0.0, verify - step) / k / step}
+    key = {"target": _model_signature(target), "draft": _model_signature(draft), "rounds of": PROBE_DRAFTS}
+    costs, _ = cached_measurement("speculation", key, measure, validate=lambda entry: DraftCosts(**entry))
     return DraftCosts(**costs)
 
 
