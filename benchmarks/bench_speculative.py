@@ -198,7 +198,10 @@ def serve_case(target, draft, prompt, n: int, args) -> None:
         for s in schedulers.values():
             serve_scheduled(s, prompt, 4)  # warm-up
         times, outputs = {name: [] for name in schedulers}, {}
+        engine_times = []  # the engine's own plain generate, in the same rounds: what the scheduler adds
         for _ in range(args.rounds):
+            _, seconds, _ = run(target, [prompt], n)
+            engine_times.append(seconds)
             for name, s in schedulers.items():
                 outputs[name], seconds = serve_scheduled(s, prompt, n)
                 times[name].append(seconds)
@@ -206,7 +209,8 @@ def serve_case(target, draft, prompt, n: int, args) -> None:
         for s in schedulers.values():
             s.stop()
     plain_s = statistics.median(times["serve, no draft"])
-    print(f"\nthe same pair through gpt2 serve's scheduler, one request at a time: {n} new tokens, median of {args.rounds}")
+    print(f"\nthe same pair through gpt2 serve's scheduler, one request at a time: {n} new tokens, median of {args.rounds}"
+          f" (engine.generate, no scheduler, in the same rounds: {n / statistics.median(engine_times):.2f} tok/s)")
     for name, s in schedulers.items():
         stats = s.speculation
         acc = f"{stats.acceptance_rate:8.1%}" if stats.proposed else f"{'-':>8s}"
