@@ -259,6 +259,8 @@ def speed(args, model_dir: Path, gguf_dir: Path, bandwidth: float, n_weights: in
             extra = {"model_dir": model_dir, **extra} if kind == "hf" else extra
             results[name].append(run_worker(kind, args, **extra))
             print(f"  round {r + 1}: {name}: {results[name][-1]}", flush=True)
+        from gpt2.kernels import memory_bandwidth_gbs
+        print(f"  memory read bandwidth after round {r + 1}: {memory_bandwidth_gbs():.1f} GB/s (it drifts)", flush=True)
     print(f"\n| contender | decode b1 (tok/s) | % of roofline | prefill {args.prefill} (tok/s) | batch 8 (tok/s) "
           f"| batch 8 / b1 | vs llama.cpp decode | vs llama.cpp prefill |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
