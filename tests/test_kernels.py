@@ -261,7 +261,6 @@ def test_a_reference_of_some_rows_is_those_rows_of_the_whole(fmt):
     assert some.dtype == torch.float64 and torch.equal(some, fmt.reference_weight(w, tensors)[rows])
 
 
-
 @pytest.mark.parametrize("fmt", [f for f in CPU_FORMATS if f.available() and "onednn" in f.paths],
                          ids=lambda f: f"{f.precision}-{f.name}")
 def test_onednn_packing_keeps_the_values_the_reference_takes_from_w(fmt):
@@ -272,6 +271,7 @@ def test_onednn_packing_keeps_the_values_the_reference_takes_from_w(fmt):
         w = torch.randn(*shape) * 0.1
         tensors = fmt.pack(w, None)
         assert torch.equal(fmt.reference_weight(w, tensors), fmt.reference_weight(None, tensors))
+
 
 def test_a_path_outside_its_rounding_is_rejected(monkeypatch):
     from gpt2 import quantize

@@ -403,13 +403,15 @@ def cmd_generate(args):
             chunk = "\n" + ("-" * 40 + "\n" if ended < args.num_samples else "")
         print(chunk, end="", flush=True)
     if args.verbose and draft is not None:
-        from gpt2.engine import draft_costs
         rounds, proposed, accepted = (sum(getattr(s, f) for s in speculation) for f in ("rounds", "proposed", "accepted"))
-        costs = draft_costs(model, draft)
-        print(f"speculation: {rounds} rounds, {accepted} of {proposed} drafts kept "
-              f"({accepted / max(proposed, 1):.1%}), {(accepted + rounds) / max(rounds, 1):.2f} tokens per target "
-              f"forward; a draft step costs {costs.draft_step:.3f} target steps, a verified position "
-              f"{costs.verify_position:.3f} (adaptive k weighs them)", file=sys.stderr)
+        report = (f"speculation: {rounds} rounds, {accepted} of {proposed} drafts kept ({accepted / max(proposed, 1):.1%}), "
+                  f"{(accepted + rounds) / max(rounds, 1):.2f} tokens per target forward")
+        if cfg.adaptive_draft:  # the costs adaptive k weighed (measured before the first round, then cached)
+            from gpt2.engine import draft_costs
+            costs = draft_costs(model, draft)
+            report += (f"; a draft step costs {costs.draft_step:.3f} target steps, a verified position "
+                       f"{costs.verify_position:.3f}")
+        print(report, file=sys.stderr)
 
 
 def _generate_text(model, tok, prompt: str, cfg, num_samples: int, seed, stop: list[str], stream: bool,
