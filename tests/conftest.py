@@ -23,6 +23,18 @@ warnings.filterwarnings("ignore", message=".*eos_token_id.*")
 TINY = dict(n_layer=2, n_head=2, n_embd=16, vocab_size=97, n_positions=64)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_measurement_cache(tmp_path_factory):
+    """Kernel plans and the other measurements (speculation.json, training.json, ...) of in-process tests
+    go to the session's own cache, never the user's. Tests that check the cache itself patch it again."""
+    from gpt2 import kernels
+    path = tmp_path_factory.mktemp("gpt2-cache") / "kernels.json"
+    patch = pytest.MonkeyPatch()
+    patch.setattr(kernels, "default_cache_path", lambda: path)
+    yield path
+    patch.undo()
+
+
 def make_hf_model(seed=0, attn_implementation="eager", **config):
     """A transformers.GPT2LMHeadModel at random init (eval mode)."""
     import transformers
