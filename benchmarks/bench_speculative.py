@@ -13,14 +13,15 @@ Cases:
         cache's folder, keyed by shape, minutes and lr; trained if missing, ~17 minutes once): random
         weights make a separate draft's acceptance meaningless. The target needs its longer budget to
         predict as well as the draft (a wide model sees fewer tokens per second): in 3 minutes at the
-        quickstart's lr it only repeated " the". Target float32, draft --pair-draft-dtype (int8).
-        Then the same pair through `gpt2 serve`'s scheduler (batching.Scheduler, no HTTP): one lone
-        greedy request at a time, without and with --draft (the server speculates for a lone request).
+        quickstart's lr it only repeated " the". Target float32, draft --pair-draft-dtype (int8), three
+        Shakespeare prompts (PAIR_PROMPTS) per call. Then the same pair through `gpt2 serve`'s scheduler
+        (batching.Scheduler, no HTTP): one lone greedy request at a time on the first prompt, without
+        and with --draft (the server speculates for a lone request), and engine.generate beside it.
 
 Every round runs each contender once, in turn (plain; speculative with adaptive k; speculative with each
 --fixed-k), so load from other processes hits them alike; the table reports medians over rounds (and
 "by round": the median of each round's own speed-up), tok/s =
-new tokens / wall time of the whole generate call (a 16-token prompt's prefill included), the draft's
+new tokens / wall time of the whole generate calls (the prompts' prefill included), the draft's
 acceptance rate, target forwards per token, the speed-up over plain, and whether the output equals
 plain greedy token for token (it must).
 """
