@@ -50,9 +50,7 @@ def run(model, prompts, n, **options):
         steps = Stream(model, [prompt], make_config(max_new_tokens=n, ignore_eos=True, **options))
         outs.append([s[0] for s in steps if s[0] is not None])
         if steps.speculation is not None:
-            total = total or SpeculationStats()
-            for f in ("rounds", "proposed", "accepted"):
-                setattr(total, f, getattr(total, f) + getattr(steps.speculation, f))
+            total = (total or SpeculationStats()) + steps.speculation
     return outs, time.perf_counter() - t, total
 
 

@@ -229,7 +229,6 @@ class Scheduler:
         # speculation for a lone greedy sequence (the module docstring); draft: a GPT or "self:int8" / "self:int4"
         self.draft = None if draft is None else resolve_draft(self.model, draft)
         self.draft_tokens, self.adaptive_draft = draft_tokens, adaptive_draft
-        self._draft_costs = None                    # measured (or read from the cache) at the first speculation
         self.speculation = SpeculationStats()       # rounds run, drafts proposed and kept, all sequences
         self.error: BaseException | None = None
 
@@ -606,9 +605,10 @@ class Scheduler:
                            generators=seq._generator, stats=self.speculation)
 
     def _draft_length(self) -> DraftLength:
-        if self.adaptive_draft and self._draft_costs is None:  # the scheduler thread: it alone runs the models
-            self._draft_costs = draft_costs(self.model, self.draft)
-        return DraftLength(self.draft_tokens, self.adaptive_draft, self._draft_costs)
+        # the costs are measured here, on the scheduler thread (it alone runs the models), at the first
+        # speculation on this machine; afterwards read back
+        costs = draft_costs(self.model, self.draft) if self.adaptive_draft else None
+        return DraftLength(self.draft_tokens, self.adaptive_draft, costs)
 
     def _sample(self, seq: Continuation, logits: torch.Tensor) -> int | None:
         """Sample seq's next id from its logits (1, V), emit it; None (and finished) on a stop id or the limit."""

@@ -403,9 +403,10 @@ def cmd_generate(args):
             chunk = "\n" + ("-" * 40 + "\n" if ended < args.num_samples else "")
         print(chunk, end="", flush=True)
     if args.verbose and draft is not None:
-        rounds, proposed, accepted = (sum(getattr(s, f) for s in speculation) for f in ("rounds", "proposed", "accepted"))
-        report = (f"speculation: {rounds} rounds, {accepted} of {proposed} drafts kept ({accepted / max(proposed, 1):.1%}), "
-                  f"{(accepted + rounds) / max(rounds, 1):.2f} tokens per target forward")
+        from gpt2.engine import SpeculationStats
+        total = sum(speculation, SpeculationStats())
+        report = (f"speculation: {total.rounds} rounds, {total.accepted} of {total.proposed} drafts kept "
+                  f"({total.acceptance_rate:.1%}), {total.tokens_per_round:.2f} tokens per target forward")
         if cfg.adaptive_draft:  # the costs adaptive k weighed (measured before the first round, then cached)
             from gpt2.engine import draft_costs
             costs = draft_costs(model, draft)

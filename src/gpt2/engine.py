@@ -36,6 +36,7 @@ Stop strings are text, so they are matched at the edges (the CLI, the server) wi
 
 from __future__ import annotations
 
+import json
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -339,6 +340,11 @@ class SpeculationStats:
         """Tokens per target forward: the kept drafts plus the target's own one."""
         return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
 
+    def __add__(self, other: "SpeculationStats") -> "SpeculationStats":
+        """Two generations' counts together: sum(stats, SpeculationStats())."""
+        return SpeculationStats(self.rounds + other.rounds, self.proposed + other.proposed,
+                                self.accepted + other.accepted)
+
 
 @dataclass
 class DraftCosts:
@@ -393,7 +399,7 @@ def draft_costs(target, draft) -> DraftCosts:
     kernel plans: greedy rounds of 0 and PROBE_DRAFTS drafts after a 16-token prompt, as
     Speculation runs them (~15 target forwards and ~50 draft steps: under a second for GPT-2 124M, a
     few for gpt2-xl). A round of 0 drafts is one target step with its processing, as plain decoding's."""
-    from gpt2.kernels import cached_measurement
+    from gpt2.kernels import cached_measurement, default_cache_path
 
     def measure() -> dict:
         context = min(target.config.n_positions, draft.config.n_positions)
@@ -407,8 +413,16 @@ def draft_costs(target, draft) -> DraftCosts:
         propose, verify = _round_seconds(spec, k)
         return {"draft_step": propose / k / step, "verify_position": max(0.0, verify - step) / k / step}
     key = {"target": _model_signature(target), "draft": _model_signature(draft), "rounds of": PROBE_DRAFTS}
-    costs, _ = cached_measurement("speculation", key, measure, validate=lambda entry: DraftCosts(**entry))
-    return DraftCosts(**costs)
+    # Every generate call with a draft asks: the cache file (and /proc/cpuinfo, for the machine's key)
+    # is read once per process and cache location, not per call.
+    memo_key = (str(default_cache_path()), json.dumps(key, sort_keys=True))
+    if memo_key not in _draft_costs_read:
+        costs, _ = cached_measurement("speculation", key, measure, validate=lambda entry: DraftCosts(**entry))
+        _draft_costs_read[memo_key] = DraftCosts(**costs)
+    return _draft_costs_read[memo_key]
+
+
+_draft_costs_read: dict[tuple[str, str], DraftCosts] = {}  # draft_costs' answers in this process
 
 
 @dataclass
