@@ -45,6 +45,7 @@ LLAMA = {"float32": "F32", "bfloat16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
 OURS_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.5 + 4 / 32}
 LLAMA_BYTES = {"float32": 4, "bfloat16": 2, "int8": 34 / 32, "int4": 18 / 32}
 PROMPT = [464 + 7 * i for i in range(16)]
+COMPILABLE = ("float32", "bfloat16", "int8", "int4")  # every precision has a compiled decode step
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,7 +64,8 @@ def worker_ours(args) -> dict:
 
     def decode(batch: int) -> float:
         prompts = [[(t + 31 * row) % 50000 for t in PROMPT] for row in range(batch)]
-        steps = stream(model, prompts, max_new_tokens=args.decode_steps + 1, ignore_eos=True)
+        steps = stream(model, prompts, max_new_tokens=args.decode_steps + 1, ignore_eos=True,
+                       compile=bool(args.compile))
         next(steps)  # prefill and the first token: not counted
         start = time.perf_counter()
         for _ in steps:
@@ -78,7 +80,9 @@ def worker_ours(args) -> dict:
             model(ids, cache=cache, last_logits_only=True)
             return args.prefill / (time.perf_counter() - start)
 
-    decode(1)  # warm up: oneDNN primitive caches, first-touch pages
+    decode(1)  # warm up: oneDNN primitive caches, first-touch pages (and with --compile, compiling)
+    if args.compile:
+        decode(8)  # its own graph
     prefill()
     return {"decode": decode(1), "prefill": max(prefill() for _ in range(2)), "batch8": decode(8)}
 
@@ -237,7 +241,7 @@ def run_worker(kind: str, args, **extra) -> dict:
     python = str(BENCH_VENV / "bin/python") if "llama" in kind else sys.executable
     cmd = [python, __file__, "--worker", kind, "--decode-steps", str(args.decode_steps), "--prefill", str(args.prefill)]
     for key, value in extra.items():
-        cmd += [f"--{key.replace('_', '-')}", str(value)]
+        cmd += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])  # True: a flag
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
@@ -249,6 +253,9 @@ def speed(args, model_dir: Path, gguf_dir: Path, bandwidth: float, n_weights: in
     contenders = [("transformers fp32", "hf", {}, None)] * (not args.no_hf)
     for p in args.precisions:
         contenders.append((f"ours {p}", "ours", {"precision": p, "model_dir": model_dir}, OURS_BYTES[p]))
+        if args.compile and p in COMPILABLE:
+            contenders.append((f"ours {p} compiled", "ours", {"precision": p, "model_dir": model_dir, "compile": True},
+                               OURS_BYTES[p]))
         if not args.no_llama:
             contenders.append((f"llama.cpp {LLAMA[p]}", "llama", {"gguf": make_gguf(model_dir, p, gguf_dir)},
                                LLAMA_BYTES[p]))
@@ -279,10 +286,12 @@ def speed(args, model_dir: Path, gguf_dir: Path, bandwidth: float, n_weights: in
         # Ours and llama.cpp at one precision run back to back in every round, so each round's ratio
         # compares them in one state of the machine (its bandwidth drifts from minute to minute).
         print("\nours / llama.cpp decode, round by round:")
-        for p in args.precisions:
-            pairs = zip(results[f"ours {p}"], results[f"llama.cpp {LLAMA[p]}"])
+        for name, kind, extra, _ in contenders:
+            if kind != "ours":
+                continue
+            pairs = zip(results[name], results[f"llama.cpp {LLAMA[extra['precision']]}"])
             ratios = [ours["decode"] / peer["decode"] for ours, peer in pairs]
-            print(f"  {p}: " + ", ".join(f"{x:.2f}" for x in ratios) + f"; median {statistics.median(ratios):.2f}x")
+            print(f"  {name[5:]}: " + ", ".join(f"{x:.2f}" for x in ratios) + f"; median {statistics.median(ratios):.2f}x")
 
 
 def quality(args, model_dir: Path, gguf_dir: Path) -> None:
@@ -318,6 +327,8 @@ def main():
     ap.add_argument("--decode-steps", type=int, default=128)
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--precisions", nargs="+", default=list(OURS), choices=list(OURS))
+    ap.add_argument("--compile", action="store_true",
+                    help="also run ours with the compiled decode step, at every precision (compiling is not timed)")
     ap.add_argument("--no-hf", action="store_true", help="skip Transformers")
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp (no benchmark venv)")
     ap.add_argument("--quality", metavar="MODEL", help="perplexity at each precision of this trained model")

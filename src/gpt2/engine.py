@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import time
+import types
 import weakref
 from dataclasses import dataclass, field
 
@@ -172,9 +173,6 @@ class Stream:
         B, N = len(rows), cfg.max_new_tokens
         if N == 0:
             return
-        if cfg.compile and not all(getattr(m, "compilable", True) for m in model.modules()):
-            raise ConfigError("compile=True supports float32 and bfloat16 models; int8 and int4 kernels run "
-                              "eagerly (on CPU compiling gains nothing measurable: BENCHMARKS.md)")
         device = model.transformer.wte.weight.device
         P = max(len(r) for r in rows)
         padded = any(len(r) != P for r in rows)
@@ -284,15 +282,26 @@ def decode_step(model, ids, positions, slot, keys, cache: KVCache) -> torch.Tens
     return model(ids, cache=_SlotCache(cache, slot), attention_mask=keys, position_ids=positions)[:, -1]
 
 
-_compiled_decode_step = None
+_compiled_decode_steps: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its compiled step
 
 
-def compiled_decode_step():
-    """decode_step under torch.compile, built once per process; each new model or shape recompiles."""
-    global _compiled_decode_step
-    if _compiled_decode_step is None:
-        _compiled_decode_step = torch.compile(decode_step, dynamic=False, fullgraph=True)
-    return _compiled_decode_step
+def compiled_decode_step(model):
+    """decode_step under torch.compile for this model, built once per model; each new shape recompiles.
+
+    Each graph has the model's packed weights frozen into it as constants (StaticDecode). Dynamo keeps
+    compiled graphs on the function's code object, so every model gets its own copy of decode_step's
+    code: its graphs are freed with the model, and the recompile limit counts that model's shapes only.
+    """
+    step = _compiled_decode_steps.get(model)
+    if step is None:
+        own = types.FunctionType(decode_step.__code__.replace(), decode_step.__globals__, decode_step.__name__)
+        step = _compiled_decode_steps[model] = torch.compile(own, dynamic=False, fullgraph=True)
+    return step
+
+
+def _inductor_config():
+    import torch._inductor.config  # imported on first use: eager generation never pays for it
+    return torch._inductor.config
 
 
 class StaticDecode:
@@ -307,10 +316,24 @@ class StaticDecode:
         self.keys = torch.zeros(len(rows), capacity, dtype=torch.bool, device=device)  # (B, capacity)
         n = min(capacity, mask.size(1))
         self.keys[:, :n] = mask[:, :n].bool()
-        self.fn = compiled_decode_step()
+        self.fn = compiled_decode_step(model)
+        self.guards_checked = False
 
     def __call__(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        logits = self.fn(self.model, ids.view(-1, 1), self.positions, self.slot, self.keys, cache)
+        # Inductor's freezing makes the packed weights constants of the graph, which its oneDNN lowering
+        # requires (quantize._onednn). The compile happens inside the first call; torch.compile's own
+        # options= does not reach that pass, so the config is set around the call (~1 us).
+        # The first step checks all of torch.compile's guards (~3,000 on GPT-2's modules: ~0.8 ms a call).
+        # Every later step runs on the same model, cache and input tensors, so only the guards that tell
+        # the cached graphs apart are evaluated: they pass for the graph the first step chose.
+        args = (self.model, ids.view(-1, 1), self.positions, self.slot, self.keys, cache)
+        with _inductor_config().patch(freezing=True):
+            if self.guards_checked:
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                    logits = self.fn(*args)
+            else:
+                logits = self.fn(*args)
+                self.guards_checked = True
         cache.advance(1)
         self.positions += 1
         self.slot += 1

@@ -83,7 +83,10 @@ class CausalSelfAttention(nn.Module):
 
         # mask: None means plain causal (top-left aligned, valid without a cache); otherwise a
         # boolean (B or 1, 1, T, P + T) that is True where a query may attend to a key.
-        if self.use_sdpa and not self.upcast:
+        # A compiled decode step (one query over the whole padded cache) attends explicitly: Inductor
+        # fuses the product, mask and softmax into its own loops, where SDPA's CPU kernel costs
+        # ~100 us a layer at 192 keys (BENCHMARKS.md).
+        if self.use_sdpa and not self.upcast and not (T == 1 and torch.compiler.is_compiling()):
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
                 dropout_p=self.attn_dropout.p if self.training else 0.0, scale=self.scale)

@@ -34,8 +34,10 @@ The activation of c_fc (GELU) is fused into the GEMM as a oneDNN post-op where t
 
 from __future__ import annotations
 
+import itertools
 import logging
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -115,23 +117,12 @@ def _upcast(x, t, bias, activation):
 
 
 def _onednn(x, t, bias, activation):
+    # Under torch.compile (the engine's compiled decode freezes its weights) Inductor lowers this op to
+    # the same oneDNN call, its packed weight a constant of the graph.
     x = x.to(t["onednn"].dtype)
-    if torch.compiler.is_compiling():  # opaque to Inductor, which lowers this op only for weights it packed
-        return onednn_linear(x, t["onednn"], bias, activation is not None)
     if activation is None:
         return torch.ops.mkldnn._linear_pointwise(x, t["onednn"], bias, "none", [], "")
     return torch.ops.mkldnn._linear_pointwise(x, t["onednn"], bias, "gelu", [], "tanh")  # fused post-op
-
-
-@torch.library.custom_op("gpt2::onednn_linear", mutates_args=())
-def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, gelu: bool) -> torch.Tensor:
-    """_onednn as one op torch.compile calls as it is (eager calls skip this wrapper: it costs ~10 us)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "gelu" if gelu else "none", [], "tanh" if gelu else "")
-
-
-@onednn_linear.register_fake
-def _(x, packed, bias, gelu):
-    return x.new_empty(*x.shape[:-1], packed.shape[0])  # (..., out)
 
 
 def _mkl(x, t, bias, activation):
@@ -155,10 +146,28 @@ def _int8_dequant(dtype):
 _int8_dequant_bf16 = _int8_dequant(torch.bfloat16)  # one function for every int8 format: kernels.py sees the same path
 
 
+def _linear_dynamic(x: torch.Tensor, t: dict) -> torch.Tensor:
+    """fbgemm's / oneDNN's u8s8 GEMM: x (M, K) float32 quantized with one scale, (M, N) float32 out."""
+    if torch.compiler.is_compiling():  # Dynamo cannot trace the packed weight, a TorchScript object
+        return linear_dynamic_op(x, t["packed_handle"], t["q"].size(0))
+    return torch.ops.quantized.linear_dynamic(x, t["packed"], False)
+
+
+@torch.library.custom_op("gpt2::linear_dynamic", mutates_args=())
+def linear_dynamic_op(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    """_linear_dynamic as one op of a compiled graph, the packed weight named by its handle (_Packed)."""
+    return torch.ops.quantized.linear_dynamic(x, _PACKED[handle].obj, False)
+
+
+@linear_dynamic_op.register_fake
+def _(x, handle, out_features):
+    return x.new_empty(x.size(0), out_features)
+
+
 def _int8_dynamic(x, t, bias, activation):
     # x is quantized to uint8 per call (one scale for the whole call: kernels.py offers this path for
     # decode only, where a call is one token); the GEMM runs u8 x s8 with int32 accumulation.
-    y = torch.ops.quantized.linear_dynamic(x.float(), t["packed"], False)  # (M, N) float32
+    y = _linear_dynamic(x.float(), t)  # (M, N) float32
     return _act(y if bias is None else y.add_(bias), activation)
 
 
@@ -169,7 +178,7 @@ def _int8_dynamic_rows(x, t, bias, activation):
         return _int8_dynamic(x, t, bias, activation)
     x = x.float()
     row_max = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)  # (M, 1)
-    y = torch.ops.quantized.linear_dynamic(x / row_max, t["packed"], False).mul_(row_max)  # (M, N) float32
+    y = _linear_dynamic(x / row_max, t).mul_(row_max)  # (M, N) float32
     return _act(y if bias is None else y.add_(bias), activation)
 
 
@@ -227,10 +236,19 @@ def _int4_dequant(x, t, bias, activation):
 # ---------------------------------------------------------------------------------------------
 
 class _Packed:
-    """An opaque engine object (a quantized engine's packed weight) kept in a tensors dict; not a tensor."""
+    """An opaque engine object (a quantized engine's packed weight) kept in a tensors dict; not a tensor.
+
+    Each has a handle, an int a compiled graph can hold: its custom ops look the object up in _PACKED.
+    """
 
     def __init__(self, obj):
         self.obj = obj
+        self.handle = next(_handles)
+        _PACKED[self.handle] = self
+
+
+_handles = itertools.count()
+_PACKED: "weakref.WeakValueDictionary[int, _Packed]" = weakref.WeakValueDictionary()  # alive while a layer holds it
 
 
 @dataclass
@@ -460,9 +478,6 @@ class FastLinear(nn.Module):
         # the input's. For layers whose consumer is the next linear (which would cast it back) or the
         # residual add (which promotes to float32 exactly as a cast would): the same numbers, fewer casts.
         self.returns_kernel_dtype = returns_kernel_dtype
-        # torch.compile (the engine's compile=True) calls oneDNN through an opaque op; Inductor cannot
-        # lower the int8 / int4 kernels on weights it did not pack itself.
-        self.compilable = fmt.precision in ("float32", "bfloat16")
         self.out_features, self.in_features = weight.shape
         self.path_names = dict(paths)  # regime -> path name, for describe()
         self.paths = {regime: fmt.paths[name] for regime, name in paths.items()}
@@ -478,7 +493,8 @@ class FastLinear(nn.Module):
     def _gather_kernel_args(self) -> None:
         # What the paths read, gathered once (a decode step calls ~50 linears: per-call lookups add up).
         self.kernel_args = {**self.opaque, **{name: self._buffers[name] for name in self.tensors
-                                              if name not in self.opaque}}
+                                              if name not in self.opaque},
+                            **{f"{name}_handle": t.handle for name, t in self.tensors.items() if isinstance(t, _Packed)}}
 
     def _apply(self, fn, recurse=True):  # .to(), .cpu(), ... replace the buffers: gather them again
         module = super()._apply(fn, recurse)
