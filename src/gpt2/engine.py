@@ -288,9 +288,10 @@ _compiled_decode_steps: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary(
 def compiled_decode_step(model):
     """decode_step under torch.compile for this model, built once per model; each new shape recompiles.
 
-    Each graph has the model's packed weights frozen into it as constants (StaticDecode). Dynamo keeps
-    compiled graphs on the function's code object, so every model gets its own copy of decode_step's
-    code: its graphs are freed with the model, and the recompile limit counts that model's shapes only.
+    Each graph has the model's packed weights frozen into it as constants (StaticDecode), so a graph
+    serves one model only. Dynamo counts recompilations per code object (8 at most, then fullgraph
+    fails), so every model gets its own copy of decode_step's code: the limit counts its shapes only.
+    Dynamo keeps compiled graphs, their frozen weights with them, until torch._dynamo.reset().
     """
     step = _compiled_decode_steps.get(model)
     if step is None:
@@ -320,20 +321,20 @@ class StaticDecode:
         self.guards_checked = False
 
     def __call__(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        # Inductor's freezing makes the packed weights constants of the graph, which its oneDNN lowering
-        # requires (quantize._onednn). The compile happens inside the first call; torch.compile's own
-        # options= does not reach that pass, so the config is set around the call (~1 us).
-        # The first step checks all of torch.compile's guards (~3,000 on GPT-2's modules: ~0.8 ms a call).
-        # Every later step runs on the same model, cache and input tensors, so only the guards that tell
-        # the cached graphs apart are evaluated: they pass for the graph the first step chose.
         args = (self.model, ids.view(-1, 1), self.positions, self.slot, self.keys, cache)
-        with _inductor_config().patch(freezing=True):
-            if self.guards_checked:
-                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                    logits = self.fn(*args)
-            else:
+        if self.guards_checked:
+            # Every later step runs on the same model, cache and input tensors: only the guards that tell
+            # the cached graphs apart are evaluated, and they pass for the graph the first step chose.
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                 logits = self.fn(*args)
-                self.guards_checked = True
+        else:
+            # The first step checks all of torch.compile's guards (~3,000 on GPT-2's modules, ~0.8 ms)
+            # and compiles if none of the model's graphs fits. Inductor's freezing makes the packed
+            # weights constants of the graph, which its oneDNN lowering requires (quantize._onednn);
+            # torch.compile's options= does not reach that pass, so the config is set around the call.
+            with _inductor_config().patch(freezing=True):
+                logits = self.fn(*args)
+            self.guards_checked = True
         cache.advance(1)
         self.positions += 1
         self.slot += 1
