@@ -19,7 +19,8 @@ How a batch runs:
   4. Each row stops on its own (EOS, stop ids, the caller's `finish(row)`, e.g. on a stop string);
      the batch stops when every row has.
   5. With compile=True, decode runs `decode_step` under torch.compile instead: the same blocks, but
-     every shape fixed (the whole cache, rounded up, with a mask), so one graph serves every step.
+     every shape fixed (the whole cache, rounded up, with a mask), so one graph serves every step,
+     the model's weights frozen into it (StaticDecode).
 
 Speculative decoding (draft=a smaller GPT of the same vocabulary, or "self:int8" / "self:int4"):
     new_ids = generate(model, prompts, max_new_tokens=64, draft=small, draft_tokens=4)
