@@ -389,11 +389,30 @@ def test_info_kernels_prints_the_plan(capsys):
     assert "kernels for int8" in out and "768x3072" in out and "50257x768" in out
 
 
+def test_a_deep_copy_of_a_packed_model_decodes_without_the_original():
+    """copy.deepcopy of an int8 model whose u8s8 engine weights are TorchScript objects: the copy's
+    handles (what a compiled graph's custom op looks them up by) name its own, so it decodes alone."""
+    import copy
+    import gc
+    plan = kernels.plan_for(tiny_model(), "int8")
+    plan.choices = {k: kernels.Choice("dynamic fbgemm", {r: "u8s8 dynamic" for r in kernels.REGIMES}, {})
+                    for k in plan.choices}
+    model = apply_plan(tiny_model(), plan)
+    expected = generate(model, PROMPTS, max_new_tokens=6)
+    twin = copy.deepcopy(model)
+    assert twin.lm_head.kernel_args["packed_handle"] != model.lm_head.kernel_args["packed_handle"]
+    del model
+    gc.collect()
+    assert generate(twin, PROMPTS, max_new_tokens=6) == expected
+    assert generate(twin, PROMPTS, max_new_tokens=6, compile=True) == expected
+
+
 @pytest.mark.slow
 def test_compiled_decode_of_every_format_equals_eager():
-    """Every format of every precision and each of its decode paths, forced on every linear (the measured plan differs from run to
-    run, and each format must compile: MKL-packed weights, oneDNN's, the int4 kernel's and the u8s8
-    engines' TorchScript objects behind their custom op), decodes the eager tokens."""
+    """Every format of every precision and each of its decode paths, forced on every linear (the
+    measured plan differs from run to run, and each must compile: MKL-packed weights, oneDNN's, the
+    int4 kernel's and the u8s8 engines' TorchScript objects behind their custom op), decodes the eager
+    tokens. ~20 models compile in one process: past Dynamo's recompile limit of 8 per code object."""
     for fmt, path in [(f, p) for f in CPU_FORMATS if f.available() for p in f.paths if p not in f.many_row_paths]:
         plan = kernels.plan_for(tiny_model(), fmt.precision)
         plan.choices = {k: c if "@" in k else kernels.Choice(fmt.name, {r: path for r in kernels.REGIMES}, {})

@@ -34,6 +34,7 @@ The activation of c_fc (GELU) is fused into the GEMM as a oneDNN post-op where t
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import warnings
@@ -245,6 +246,9 @@ class _Packed:
         self.obj = obj
         self.handle = next(_handles)
         _PACKED[self.handle] = self
+
+    def __deepcopy__(self, memo):  # a copy gets its own handle (a copied one would name the original)
+        return _Packed(copy.deepcopy(self.obj, memo))
 
 
 _handles = itertools.count()
@@ -487,19 +491,23 @@ class FastLinear(nn.Module):
                 self.register_buffer(name, t, persistent=False)  # moves with the module; never saved
         self.dtype = kernel_dtype(fmt.precision)
         self.register_buffer("bias", None if bias is None else bias.detach().to(self.dtype), persistent=False)
-        self.opaque = {name: t.obj for name, t in self.tensors.items() if isinstance(t, _Packed)}
         self._gather_kernel_args()
 
     def _gather_kernel_args(self) -> None:
         # What the paths read, gathered once (a decode step calls ~50 linears: per-call lookups add up).
-        self.kernel_args = {**self.opaque, **{name: self._buffers[name] for name in self.tensors
-                                              if name not in self.opaque},
-                            **{f"{name}_handle": t.handle for name, t in self.tensors.items() if isinstance(t, _Packed)}}
+        opaque = {name: t for name, t in self.tensors.items() if isinstance(t, _Packed)}
+        self.kernel_args = {**{name: t.obj for name, t in opaque.items()},
+                            **{f"{name}_handle": t.handle for name, t in opaque.items()},
+                            **{name: self._buffers[name] for name in self.tensors if name not in opaque}}
 
     def _apply(self, fn, recurse=True):  # .to(), .cpu(), ... replace the buffers: gather them again
         module = super()._apply(fn, recurse)
         self._gather_kernel_args()
         return module
+
+    def __setstate__(self, state):  # copy.deepcopy: the copy's buffers and handles are its own
+        super().__setstate__(state)
+        self._gather_kernel_args()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).contiguous()  # (M, K); kernels need contiguous rows; the path casts
