@@ -45,7 +45,6 @@ LLAMA = {"float32": "F32", "bfloat16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
 OURS_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.5 + 4 / 32}
 LLAMA_BYTES = {"float32": 4, "bfloat16": 2, "int8": 34 / 32, "int4": 18 / 32}
 PROMPT = [464 + 7 * i for i in range(16)]
-COMPILABLE = ("float32", "bfloat16", "int8", "int4")  # every precision has a compiled decode step
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,7 +252,7 @@ def speed(args, model_dir: Path, gguf_dir: Path, bandwidth: float, n_weights: in
     contenders = [("transformers fp32", "hf", {}, None)] * (not args.no_hf)
     for p in args.precisions:
         contenders.append((f"ours {p}", "ours", {"precision": p, "model_dir": model_dir}, OURS_BYTES[p]))
-        if args.compile and p in COMPILABLE:
+        if args.compile:  # every precision has a compiled decode step
             contenders.append((f"ours {p} compiled", "ours", {"precision": p, "model_dir": model_dir, "compile": True},
                                OURS_BYTES[p]))
         if not args.no_llama:
