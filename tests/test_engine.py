@@ -257,7 +257,7 @@ def test_compiled_decode_equals_uncompiled(model):
 
 
 def test_static_decode_step_eager_equals_model_forward(model):
-    """The step compile=True compiles, run eagerly: attends over the whole padded cache with a mask."""
+    """The step compile=True compiles, run eagerly: attends over the written slots of the padded cache."""
     from gpt2.engine import StaticDecode, decode_step, left_pad, static_capacity
     from gpt2.kv_cache import KVCache
     P, N = max(len(p) for p in PROMPTS), 5

@@ -258,29 +258,31 @@ def static_capacity(needed: int, n_positions: int, multiple: int = 64) -> int:
 
 class _SlotCache:
     """The cache as a compiled decode step sees it: its position `pos` is a (1,) tensor (a Python int
-    would be baked into the graph), `update` writes the new k, v at that slot and returns every slot;
-    GPT.forward's causal mask then hides the slots not yet written. StaticDecode moves the position,
-    outside the graph, so `advance` here does nothing."""
+    would be baked into the graph), `update` writes the new k, v at that slot and returns the first
+    `length` slots, the written ones: `length` is symbolic in the graph (StaticDecode marks it dynamic),
+    so one graph serves every step and a step reads only the keys it attends to. StaticDecode moves the
+    position, outside the graph, so `advance` here does nothing."""
 
-    def __init__(self, cache: KVCache, slot: torch.Tensor):
-        self.cache, self.pos, self.capacity = cache, slot, cache.capacity  # slot (1,) int64
+    def __init__(self, cache: KVCache, slot: torch.Tensor, length):
+        self.cache, self.pos, self.capacity = cache, slot, length  # slot (1,) int64; length = slot + 1
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         self.cache.k[layer].index_copy_(2, self.pos, k)  # k, v (B, nh, 1, hs) into (B, nh, capacity, hs)
         self.cache.v[layer].index_copy_(2, self.pos, v)
-        return self.cache.k[layer], self.cache.v[layer]
+        return self.cache.k[layer][:, :, : self.capacity], self.cache.v[layer][:, :, : self.capacity]
 
     def advance(self, num_positions: int) -> None:
         pass
 
 
 def decode_step(model, ids, positions, slot, keys, cache: KVCache) -> torch.Tensor:
-    """One decode step whose shapes never change: logits (B, V) for ids (B, 1), through GPT.forward.
+    """One decode step whose graph never changes: logits (B, V) for ids (B, 1), through GPT.forward.
 
     positions (B, 1): each row's position id; slot (1,): the cache slot this step writes;
-    keys (B, capacity) bool: False on left padding.
+    keys (B, slot + 1) bool: the slots this step attends to, False on left padding (a dynamic size).
     """
-    return model(ids, cache=_SlotCache(cache, slot), attention_mask=keys, position_ids=positions)[:, -1]
+    cache_view = _SlotCache(cache, slot, keys.size(1))
+    return model(ids, cache=cache_view, attention_mask=keys, position_ids=positions)[:, -1]
 
 
 _compiled_decode_steps: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its compiled step
@@ -315,6 +317,7 @@ class StaticDecode:
         self.model = model
         self.positions = torch.tensor([[len(r)] for r in rows], device=device)  # (B, 1): next position id
         self.slot = torch.tensor([P], device=device)  # (1,): the cache slot the next token writes
+        self.length = P + 1  # slots the next step attends to: slot + 1, kept as an int too
         self.keys = torch.zeros(len(rows), capacity, dtype=torch.bool, device=device)  # (B, capacity)
         n = min(capacity, mask.size(1))
         self.keys[:, :n] = mask[:, :n].bool()
@@ -322,7 +325,8 @@ class StaticDecode:
         self.guards_checked = False
 
     def __call__(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        args = (self.model, ids.view(-1, 1), self.positions, self.slot, self.keys, cache)
+        keys = self.keys[:, : self.length]  # a view: (B, slot + 1)
+        args = (self.model, ids.view(-1, 1), self.positions, self.slot, keys, cache)
         if self.guards_checked:
             # Every later step runs on the same model, cache and input tensors: only the guards that tell
             # the cached graphs apart are evaluated, and they pass for the graph the first step chose.
@@ -333,12 +337,15 @@ class StaticDecode:
             # and compiles if none of the model's graphs fits. Inductor's freezing makes the packed
             # weights constants of the graph, which its oneDNN lowering requires (quantize._onednn);
             # torch.compile's options= does not reach that pass, so the config is set around the call.
+            # The attended length grows by one a step: marked dynamic, it never recompiles.
+            torch._dynamo.mark_dynamic(keys, 1)
             with _inductor_config().patch(freezing=True):
                 logits = self.fn(*args)
             self.guards_checked = True
         cache.advance(1)
         self.positions += 1
         self.slot += 1
+        self.length += 1
         return logits
 
 
