@@ -256,13 +256,26 @@ def test_compiled_decode_equals_uncompiled(model):
                 == generate(model, PROMPTS, max_new_tokens=40, **kw))
 
 
+@pytest.mark.slow
+def test_one_compiled_graph_serves_every_length(model):
+    """The attended length and the cache's capacity are dynamic sizes: requests of any length reuse
+    the first request's graph (a recompile under skip_guard_eval_unsafe would raise), and equal eager."""
+    import copy
+    from torch._dynamo.utils import counters
+    own = copy.deepcopy(model)  # its own compiled step, so the count below is this test's alone
+    generate(own, [[1, 2, 3]], max_new_tokens=3, compile=True)
+    graphs = counters["stats"]["unique_graphs"]
+    for prompt, n in (([5] * 20, 40), ([7, 8], 1), ([9], 2), (list(range(30, 90)), 63)):
+        assert generate(own, [prompt], max_new_tokens=n, compile=True) == generate(own, [prompt], max_new_tokens=n)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_static_decode_step_eager_equals_model_forward(model):
     """The step compile=True compiles, run eagerly: attends over the written slots of the padded cache."""
-    from gpt2.engine import StaticDecode, decode_step, left_pad, static_capacity
+    from gpt2.engine import StaticDecode, decode_step, left_pad
     from gpt2.kv_cache import KVCache
     P, N = max(len(p) for p in PROMPTS), 5
-    capacity = static_capacity(P + N - 1, model.config.n_positions)
-    assert capacity % 64 == 0 and capacity >= P + N - 1
+    capacity = P + N + 7  # slots to spare: the step must attend to the written ones only
     with torch.inference_mode():
         idx, mask = left_pad(PROMPTS, P + N)
         ref_cache, cache = KVCache.for_model(model, 3, P + N - 1), KVCache.for_model(model, 3, capacity)

@@ -18,9 +18,9 @@ How a batch runs:
      prefill; each step only slices them.
   4. Each row stops on its own (EOS, stop ids, the caller's `finish(row)`, e.g. on a stop string);
      the batch stops when every row has.
-  5. With compile=True, decode runs `decode_step` under torch.compile instead: the same blocks, but
-     every shape fixed (the whole cache, rounded up, with a mask), so one graph serves every step,
-     the model's weights frozen into it (StaticDecode).
+  5. With compile=True, decode runs `decode_step` under torch.compile instead: the same blocks, the
+     cache position a tensor and the attended length a dynamic size, so one graph serves every step
+     of every request of one batch size, the model's weights frozen into it (StaticDecode).
 
 Speculative decoding (draft=a smaller GPT of the same vocabulary, or "self:int8" / "self:int4"):
     new_ids = generate(model, prompts, max_new_tokens=64, draft=small, draft_tokens=4)
@@ -177,9 +177,9 @@ class Stream:
         device = model.transformer.wte.weight.device
         P = max(len(r) for r in rows)
         padded = any(len(r) != P for r in rows)
-        # The last sampled token is never fed back. A compiled step attends over the whole cache, so
-        # its capacity is rounded up: requests of similar length then share one compiled graph.
-        capacity = static_capacity(P + N - 1, model.config.n_positions) if cfg.compile else P + N - 1
+        # The last sampled token is never fed back. A compiled step's graph holds for any length below
+        # the capacity (Dynamo guards that the two differ), so its cache keeps one slot to spare.
+        capacity = P + N - 1 + int(cfg.compile)
         # inference_mode is entered per step, never across a yield: a grad mode left on while the
         # generator is suspended would leak into the caller's code.
         with torch.inference_mode():
@@ -251,11 +251,6 @@ class Stream:
 # the compiled path: one decode step with fixed shapes, so torch.compile builds one graph
 # ---------------------------------------------------------------------------------------------
 
-def static_capacity(needed: int, n_positions: int, multiple: int = 64) -> int:
-    """Cache capacity for a compiled decode: `needed` rounded up to a multiple, within the context."""
-    return min(n_positions, -(-needed // multiple) * multiple)
-
-
 class _SlotCache:
     """The cache as a compiled decode step sees it: its position `pos` is a (1,) tensor (a Python int
     would be baked into the graph), `update` writes the new k, v at that slot and returns the first
@@ -289,11 +284,11 @@ _compiled_decode_steps: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary(
 
 
 def compiled_decode_step(model):
-    """decode_step under torch.compile for this model, built once per model; each new shape recompiles.
+    """decode_step under torch.compile for this model, built once per model; each batch size compiles.
 
     Each graph has the model's packed weights frozen into it as constants (StaticDecode), so a graph
     serves one model only. Dynamo counts recompilations per code object (8 at most, then fullgraph
-    fails), so every model gets its own copy of decode_step's code: the limit counts its shapes only.
+    fails), so every model gets its own copy of decode_step's code: the limit counts its batch sizes only.
     Dynamo keeps compiled graphs, their frozen weights with them, until torch._dynamo.reset().
     """
     step = _compiled_decode_steps.get(model)
@@ -324,23 +319,34 @@ class StaticDecode:
         self.fn = compiled_decode_step(model)
         self.guards_checked = False
 
+    def _checked_step(self, keys, cache: KVCache, args) -> torch.Tensor:
+        # This checks all of torch.compile's guards (~3,000 on GPT-2's modules, ~0.8 ms) and compiles
+        # if none of the model's graphs fits. Inductor's freezing makes the packed weights constants of
+        # the graph, which its oneDNN lowering requires (quantize._onednn); torch.compile's options=
+        # does not reach that pass, so the config is set around the call.
+        # The attended length grows by one a step, and the cache's capacity follows the request: both
+        # marked dynamic, one graph serves every step of every request of this batch size.
+        torch._dynamo.mark_dynamic(keys, 1)
+        for layer_cache in cache.k + cache.v:
+            torch._dynamo.mark_dynamic(layer_cache, 2)
+        with _inductor_config().patch(freezing=True):
+            return self.fn(*args)
+
     def __call__(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         keys = self.keys[:, : self.length]  # a view: (B, slot + 1)
         args = (self.model, ids.view(-1, 1), self.positions, self.slot, keys, cache)
         if self.guards_checked:
             # Every later step runs on the same model, cache and input tensors: only the guards that tell
             # the cached graphs apart are evaluated, and they pass for the graph the first step chose.
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                logits = self.fn(*args)
+            try:
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                    logits = self.fn(*args)
+            except RuntimeError as error:  # a guard on the sizes failed after all: check them all again
+                if "skip_guard_eval_unsafe" not in str(error):
+                    raise
+                logits = self._checked_step(keys, cache, args)
         else:
-            # The first step checks all of torch.compile's guards (~3,000 on GPT-2's modules, ~0.8 ms)
-            # and compiles if none of the model's graphs fits. Inductor's freezing makes the packed
-            # weights constants of the graph, which its oneDNN lowering requires (quantize._onednn);
-            # torch.compile's options= does not reach that pass, so the config is set around the call.
-            # The attended length grows by one a step: marked dynamic, it never recompiles.
-            torch._dynamo.mark_dynamic(keys, 1)
-            with _inductor_config().patch(freezing=True):
-                logits = self.fn(*args)
+            logits = self._checked_step(keys, cache, args)
             self.guards_checked = True
         cache.advance(1)
         self.positions += 1

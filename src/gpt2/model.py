@@ -83,7 +83,7 @@ class CausalSelfAttention(nn.Module):
 
         # mask: None means plain causal (top-left aligned, valid without a cache); otherwise a
         # boolean (B or 1, 1, T, P + T) that is True where a query may attend to a key.
-        # A compiled decode step (one query over the whole padded cache) attends explicitly: Inductor
+        # A compiled decode step (one query over the cache, its length symbolic) attends explicitly: Inductor
         # fuses the product, mask and softmax into its own loops, where SDPA's CPU kernel costs
         # ~100 us a layer at 192 keys (BENCHMARKS.md).
         if self.use_sdpa and not self.upcast and not (T == 1 and torch.compiler.is_compiling()):
@@ -185,7 +185,7 @@ class GPT(nn.Module):
         """
         B, T = idx.shape
         # past: positions already cached. A compiled decode step's cache holds it in a tensor (engine.py),
-        # so that one graph serves every step; its queries then attend over the cache's whole capacity.
+        # so that one graph serves every step; its keys are the written slots (engine._SlotCache).
         past = cache.pos if cache is not None else 0
         static = torch.is_tensor(past)
         if not static and past + T > self.config.n_positions:
