@@ -59,7 +59,7 @@ def worker_ours(args) -> dict:
     from gpt2.engine import stream
     from gpt2.kv_cache import KVCache
     from gpt2.quantize import load_for_inference
-    model = load_for_inference(args.model_dir, args.precision, "cpu")
+    model = load_for_inference(args.model_dir, args.precision, "cpu", kv_dtype=args.kv_dtype)
 
     def decode(batch: int) -> float:
         prompts = [[(t + 31 * row) % 50000 for t in PROMPT] for row in range(batch)]
@@ -250,11 +250,12 @@ def run_worker(kind: str, args, **extra) -> dict:
 
 def speed(args, model_dir: Path, gguf_dir: Path, bandwidth: float, n_weights: int) -> None:
     contenders = [("transformers fp32", "hf", {}, None)] * (not args.no_hf)
+    kv = f" kv {args.kv_dtype}" * (args.kv_dtype != "float32")
     for p in args.precisions:
-        contenders.append((f"ours {p}", "ours", {"precision": p, "model_dir": model_dir}, OURS_BYTES[p]))
+        ours = {"precision": p, "model_dir": model_dir, "kv_dtype": args.kv_dtype}
+        contenders.append((f"ours {p}{kv}", "ours", ours, OURS_BYTES[p]))
         if args.compile:  # every precision has a compiled decode step
-            contenders.append((f"ours {p} compiled", "ours", {"precision": p, "model_dir": model_dir, "compile": True},
-                               OURS_BYTES[p]))
+            contenders.append((f"ours {p}{kv} compiled", "ours", {**ours, "compile": True}, OURS_BYTES[p]))
         if not args.no_llama:
             contenders.append((f"llama.cpp {LLAMA[p]}", "llama", {"gguf": make_gguf(model_dir, p, gguf_dir)},
                                LLAMA_BYTES[p]))
@@ -328,6 +329,8 @@ def main():
     ap.add_argument("--precisions", nargs="+", default=list(OURS), choices=list(OURS))
     ap.add_argument("--compile", action="store_true",
                     help="also run ours with the compiled decode step, at every precision (compiling is not timed)")
+    ap.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="our KV cache's dtype (llama.cpp's is f16)")
     ap.add_argument("--no-hf", action="store_true", help="skip Transformers")
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp (no benchmark venv)")
     ap.add_argument("--quality", metavar="MODEL", help="perplexity at each precision of this trained model")

@@ -353,6 +353,24 @@ def test_batch_kv_within_a_byte_budget_matches_per_row_caches(model):
             torch.testing.assert_close(logits[i], model(ids[i:i + 1], cache=ref)[0, -1], atol=1e-5, rtol=1e-5)
 
 
+def test_a_bfloat16_kv_cache_serves_what_generate_decodes_with_it(model):
+    """GPT.kv_dtype bfloat16 (`gpt2 serve --kv-dtype bfloat16`): the scheduler's batch and prefix caches
+    hold bf16, a position costs half the bytes, and sequences sharing the batch decode what
+    engine.generate decodes on its own bf16 cache."""
+    import copy
+    bf = copy.deepcopy(model)
+    bf.kv_dtype = torch.bfloat16
+    sched = Scheduler(bf, max_batch=2, max_queue=4, initial_capacity=16, prefill_chunk=7)
+    assert sched.kv.bytes_per_position * 2 == Scheduler(model, max_batch=2, max_queue=4).kv.bytes_per_position
+    out = {}
+    seqs = [Continuation(prompt=random_prompt(n, i), max_new_tokens=t, emit=collect(out, str(i)))
+            for i, (n, t) in enumerate([(30, 25), (9, 40)])]
+    run(sched, seqs)
+    assert sched.kv.dtype == torch.bfloat16
+    for i, seq in enumerate(seqs):
+        assert out[str(i)] == reference(bf, seq)
+
+
 # ---------------------------------------------------------------------------------------------
 # events and gauges
 # ---------------------------------------------------------------------------------------------

@@ -232,9 +232,38 @@ def test_cli_generate_stream_equals_plain(tmp_path, tokenizer, capsys):
     assert main(base + ["--max-new-tokens", "125"]) == 2
     assert "context length" in capsys.readouterr().err
     assert main(base + ["--max-new-tokens", "125", "--truncate", "left"]) == 0
+    capsys.readouterr()
+    assert main(base + ["--kv-dtype", "bfloat16"]) == 0 and capsys.readouterr().out.count("Once upon a time") == 2
 
 
 # --- precision --------------------------------------------------------------------------------
+
+def test_a_bfloat16_kv_cache_rounds_keys_and_values_only(model):
+    """GPT.kv_dtype (load_for_inference's kv_dtype): every cache the model makes holds bf16; the logits
+    of a prefill and of each decode step stay within bf16's rounding of the float32 cache's, and greedy
+    decoding of the batch (left padding included) keeps the same tokens, eager and compiled."""
+    import copy
+    from gpt2.kv_cache import BatchKV, KVCache
+    bf = copy.deepcopy(model)
+    bf.kv_dtype = torch.bfloat16
+    assert KVCache.for_model(bf, 1, 8).k[0].dtype == torch.bfloat16 and KVCache.for_model(model, 1, 8).k[0].dtype == torch.float32
+    assert BatchKV.for_model(bf, 2).dtype == torch.bfloat16
+    ids = torch.tensor([PROMPTS[0] * 3])  # (1, 21)
+    with torch.inference_mode():
+        logits = []
+        for m in (model, bf):
+            cache = KVCache.for_model(m, 1, ids.size(1))
+            out = [m(ids[:, :12], cache=cache)]  # prefill: attends to the rounded keys as well
+            out += [m(ids[:, t:t + 1], cache=cache) for t in range(12, ids.size(1))]
+            logits.append(torch.cat(out, dim=1))
+    exact, rounded = logits
+    torch.testing.assert_close(exact, model(ids))  # the float32 cache is the uncached forward
+    difference = (rounded - exact).abs().max()
+    assert 0 < difference < 2e-2 * exact.abs().max()  # bf16 keeps 8 bits; measured 0.7% of the range
+    reference = generate(model, PROMPTS, max_new_tokens=12)
+    assert generate(bf, PROMPTS, max_new_tokens=12) == reference
+    assert generate(bf, PROMPTS, max_new_tokens=12, compile=True) == reference
+
 
 def test_bfloat16_logits_track_float32(model):
     import copy

@@ -363,6 +363,8 @@ def add_generate_parser(sub):
     p.add_argument("--dtype", choices=["float32", "bfloat16", "int8", "int4"], default="float32",
                    help="weights: int8 per channel, int4 per group of 32; kernels chosen by measuring (gpt2 info --kernels)")
     p.add_argument("--verbose", action="store_true", help="print the kernel chosen for each linear, and why")
+    p.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the KV cache's dtype: bfloat16 halves its memory (eager decoding runs slower: README)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step, at any --dtype (fixed shapes; the first step compiles, "
@@ -383,10 +385,12 @@ def cmd_generate(args):
     from gpt2.engine import make_config
     from gpt2.quantize import load_draft, load_for_inference
     from gpt2.tokenizer import Tokenizer
-    model = load_for_inference(args.model, dtype=args.dtype, device=args.device, verbose=args.verbose)
+    model = load_for_inference(args.model, dtype=args.dtype, device=args.device, verbose=args.verbose,
+                               kv_dtype=args.kv_dtype)
     require_gpt2_vocab(model.config, args.model)
     draft = None if args.draft is None else load_draft(args.draft, args.model, args.draft_dtype or args.dtype,
-                                                       device=args.device, verbose=args.verbose)
+                                                       device=args.device, verbose=args.verbose,
+                                                       kv_dtype=args.kv_dtype)
     tok = Tokenizer.from_pretrained(args.model)
     prompt = sys.stdin.read() if args.stdin else args.prompt
     cfg = make_config(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -479,6 +483,8 @@ def add_serve_parser(sub):
                    help="seconds a request's head, then its body, may take to arrive (slower: 408)")
     p.add_argument("--max-connections", type=int, default=256, help="open connections; more get 503")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "int8", "int4"], default="float32")
+    p.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the KV cache's dtype: bfloat16 fits twice the tokens in --max-kv-mb")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--draft", default=None, metavar="MODEL",
                    help="speculative decoding for a request decoding alone (not seeded sampling): a smaller "
@@ -497,8 +503,8 @@ def cmd_serve(args):
                        api_key=args.api_key, chat_template=args.chat_template, max_batch=args.max_batch,
                        max_queue=args.max_queue, prefill_chunk=args.prefill_chunk, prefix_cache=args.prefix_cache,
                        max_kv_mb=args.max_kv_mb, request_timeout=args.request_timeout,
-                       max_connections=args.max_connections, dtype=args.dtype, device=args.device,
-                       draft=args.draft, draft_dtype=args.draft_dtype, draft_tokens=args.draft_tokens,
+                       max_connections=args.max_connections, dtype=args.dtype, kv_dtype=args.kv_dtype,
+                       device=args.device, draft=args.draft, draft_dtype=args.draft_dtype, draft_tokens=args.draft_tokens,
                        adaptive_draft=not args.fixed_draft_tokens))
 
 

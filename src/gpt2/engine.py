@@ -262,9 +262,10 @@ class _SlotCache:
         self.cache, self.pos, self.capacity = cache, slot, length  # slot (1,) int64; length = slot + 1
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        self.cache.k[layer].index_copy_(2, self.pos, k)  # k, v (B, nh, 1, hs) into (B, nh, capacity, hs)
-        self.cache.v[layer].index_copy_(2, self.pos, v)
-        return self.cache.k[layer][:, :, : self.capacity], self.cache.v[layer][:, :, : self.capacity]
+        keys, values = self.cache.k[layer], self.cache.v[layer]
+        keys.index_copy_(2, self.pos, k.to(keys.dtype))  # k, v (B, nh, 1, hs) into (B, nh, capacity, hs)
+        values.index_copy_(2, self.pos, v.to(values.dtype))
+        return keys[:, :, : self.capacity], values[:, :, : self.capacity]
 
     def advance(self, num_positions: int) -> None:
         pass

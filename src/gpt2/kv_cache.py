@@ -27,6 +27,11 @@ import torch
 from gpt2.errors import ContextLengthError, KVLimitExceeded
 
 
+def cache_dtype(model) -> torch.dtype:
+    """The dtype of model's KV caches: GPT.kv_dtype (load_for_inference's kv_dtype), else its weights'."""
+    return getattr(model, "kv_dtype", None) or model.transformer.wte.weight.dtype
+
+
 class KVCache:
     def __init__(self, n_layer: int, batch_size: int, n_head: int, capacity: int, head_size: int,
                  device=None, dtype=torch.float32):
@@ -47,7 +52,7 @@ class KVCache:
             raise ContextLengthError(f"cache capacity {capacity} exceeds the context length {config.n_positions}")
         weight = model.transformer.wte.weight
         return cls(config.n_layer, batch_size, config.n_head, capacity, config.head_size,
-                   device=weight.device, dtype=dtype or weight.dtype)
+                   device=weight.device, dtype=dtype or cache_dtype(model))
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (B, nh, T, hs) at [pos, pos+T); return all keys and values so far (B, nh, pos+T, hs)."""
@@ -110,7 +115,7 @@ class BatchKV:
         config = model.config
         weight = model.transformer.wte.weight
         return cls(config.n_layer, max_batch, config.n_head, config.head_size, config.n_positions,
-                   initial_capacity, device=weight.device, dtype=weight.dtype)
+                   initial_capacity, device=weight.device, dtype=cache_dtype(model))
 
     @property
     def capacity(self) -> int:

@@ -80,6 +80,11 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, nh, P + T, hs), P = positions already cached
+            if k.dtype != q.dtype:  # a bfloat16 cache (GPT.kv_dtype): half the bytes each step reads
+                if torch.compiler.is_compiling():
+                    k, v = k.to(q.dtype), v.to(q.dtype)  # Inductor fuses the upcast into its attention loops
+                else:
+                    q = q.to(k.dtype)  # eager: attend in the cache's dtype (upcasting would copy the cache)
 
         # mask: None means plain causal (top-left aligned, valid without a cache); otherwise a
         # boolean (B or 1, 1, T, P + T) that is True where a query may attend to a key.
@@ -92,7 +97,7 @@ class CausalSelfAttention(nn.Module):
                 dropout_p=self.attn_dropout.p if self.training else 0.0, scale=self.scale)
         else:
             y = self._explicit_attention(q, k, v, mask)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads merged
+        y = y.transpose(1, 2).contiguous().view(B, T, C).to(x.dtype)  # (B, T, C): heads merged
         return self.resid_dropout(self.c_proj(y))
 
     def _explicit_attention(self, q, k, v, mask):
@@ -159,6 +164,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, self.padded_vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
         self.lm_head_plan: HeadPlan | None = None  # the training loss's kernel plan (train.py sets a measured one)
+        self.kv_dtype: torch.dtype | None = None  # its KV caches' dtype (kv_cache.py); None: the weights'
         if not self.lm_head.weight.is_meta:  # a shell on the meta device (to be loaded into) has no values to set
             self.apply(self._init_weights)
 

@@ -557,24 +557,36 @@ def apply_plan(model: nn.Module, plan) -> nn.Module:
     return model.eval()
 
 
-def load_for_inference(name_or_path, dtype: str = "float32", device=None, verbose: bool = False):
-    """A model ready for generate, its linears in the kernels measured fastest here (kernels.py)."""
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # load_for_inference's kv_dtype
+
+
+def load_for_inference(name_or_path, dtype: str = "float32", device=None, verbose: bool = False,
+                       kv_dtype: str = "float32"):
+    """A model ready for generate, its linears in the kernels measured fastest here (kernels.py).
+
+    kv_dtype "bfloat16" keeps its KV caches in bf16 (GPT.kv_dtype), as llama.cpp keeps f16 ones: half
+    their memory. Attention then runs on the rounded keys and values, so logits move by about bf16's
+    rounding; eager decoding is slower, PyTorch's bf16 SDPA being slower than its float32 one (README)."""
     from gpt2.kernels import plan_for
     from gpt2.model import GPT
     if dtype not in PRECISIONS:
         raise ConfigError(f"dtype {dtype!r} is not supported for generation; choose {', '.join(PRECISIONS)}")
+    if kv_dtype not in KV_DTYPES:
+        raise ConfigError(f"kv_dtype {kv_dtype!r} is not supported; choose {', '.join(KV_DTYPES)}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = GPT.from_pretrained(name_or_path, device=device, dtype=torch.float32)
+    model.kv_dtype = KV_DTYPES[kv_dtype]
     plan = plan_for(model, dtype)
     if verbose:
         print(plan.describe(), flush=True)
     return apply_plan(model, plan)
 
 
-def load_draft(draft: str, target_path, dtype: str, device=None, verbose: bool = False):
+def load_draft(draft: str, target_path, dtype: str, device=None, verbose: bool = False, kv_dtype: str = "float32"):
     """A speculative-decoding draft for the model at target_path: "self:int8" / "self:int4" load that same
     checkpoint again at that precision; anything else is a model path or name, loaded at `dtype`."""
     from gpt2.engine import SELF_DRAFTS
     if draft in SELF_DRAFTS:
-        return load_for_inference(target_path, dtype=SELF_DRAFTS[draft], device=device, verbose=verbose)
-    return load_for_inference(draft, dtype=dtype, device=device, verbose=verbose)
+        return load_for_inference(target_path, dtype=SELF_DRAFTS[draft], device=device, verbose=verbose,
+                                  kv_dtype=kv_dtype)
+    return load_for_inference(draft, dtype=dtype, device=device, verbose=verbose, kv_dtype=kv_dtype)

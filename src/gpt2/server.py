@@ -90,6 +90,7 @@ class ServerConfig:
     prefix_cache: bool = True          # reuse the keys and values of a repeated prompt prefix
     max_kv_mb: float | None = None     # KV cache limit (None: only max_batch x the context bounds it)
     dtype: str = "float32"
+    kv_dtype: str = "float32"          # the KV caches' dtype: bfloat16 halves them (quantize.load_for_inference)
     device: str | None = None
     max_body_bytes: int = 1 << 20
     max_choices: int = 64              # prompts x n in one request
@@ -740,9 +741,10 @@ def serve(cfg: ServerConfig) -> None:
         ChatTemplate.from_file(cfg.chat_template)  # a bad file fails now, before the model loads
     if cfg.draft_tokens < 1:
         raise ConfigError("--draft-tokens must be at least 1")
-    model = load_for_inference(cfg.model, dtype=cfg.dtype, device=cfg.device).eval()
+    model = load_for_inference(cfg.model, dtype=cfg.dtype, device=cfg.device, kv_dtype=cfg.kv_dtype).eval()
     require_gpt2_vocab(model.config, cfg.model)
-    draft = None if cfg.draft is None else load_draft(cfg.draft, cfg.model, cfg.draft_dtype or cfg.dtype, cfg.device)
+    draft = None if cfg.draft is None else load_draft(cfg.draft, cfg.model, cfg.draft_dtype or cfg.dtype, cfg.device,
+                                                      kv_dtype=cfg.kv_dtype)
     tokenizer = Tokenizer.from_pretrained(cfg.model)
     if cfg.host not in ("127.0.0.1", "localhost", "::1") and cfg.api_key is None:
         print(f"gpt2 serve: warning: listening on {cfg.host} without --api-key: anyone who can reach this "
