@@ -2,6 +2,7 @@
 
     flock -x /tmp/gpt2-bench.lock .venv/bin/python benchmarks/bench_speculative.py            # both cases
     ... bench_speculative.py --skip-pair        # only gpt2-xl;  --skip-xl: only the trained pair
+    ... bench_speculative.py --skip-xl --compile   # the pair, each contender also with compile=True
 
 Cases:
   xl    gpt2-xl (1558M) with random weights, target in bfloat16 and in float32, drafted by its own
@@ -54,12 +55,16 @@ def run(model, prompts, n, **options):
     return outs, time.perf_counter() - t, total
 
 
-def compare(name: str, target, draft, prompts, n: int, rounds: int, k: int, fixed_k: list[int]) -> None:
+def compare(name: str, target, draft, prompts, n: int, rounds: int, k: int, fixed_k: list[int],
+            compiled: bool = False) -> None:
     contenders = {"plain": {}, f"speculative, adaptive k from {k}": dict(draft=draft, draft_tokens=k)}
     contenders.update({f"speculative, k = {f} fixed": dict(draft=draft, draft_tokens=f, adaptive_draft=False)
                        for f in fixed_k})
-    run(target, prompts[:1], 4)  # warm-up: first calls pay for allocation and kernel setup
-    run(target, prompts[:1], 4, draft=draft, draft_tokens=k)  # and the adaptive k's costs are measured (once)
+    if compiled:  # the same, each with compile=True: plain compiles the target's step, speculation the draft's
+        contenders.update({f"{c}, compiled": {**options, "compile": True} for c, options in list(contenders.items())})
+    for options in ({}, {"compile": True}) if compiled else ({},):
+        run(target, prompts[:1], 4, **options)  # warm-up: allocation, kernel setup (and compiling)
+        run(target, prompts[:1], 4, draft=draft, draft_tokens=k, **options)  # and adaptive k's costs (once)
     costs = draft_costs(target, draft)
     times = {c: [] for c in contenders}
     results = {}
@@ -74,15 +79,19 @@ def compare(name: str, target, draft, prompts, n: int, rounds: int, k: int, fixe
     print(f"\n{name}: {n} new tokens after each of {len(prompts)} prompts ({', '.join(str(len(p)) for p in prompts)}"
           f" tokens), median of {rounds} rounds; a draft step costs {costs.draft_step:.3f} target steps and each"
           f" verified position {costs.verify_position:.3f} (measured for adaptive k)")
-    print(f"  {'contender':34s} {'tok/s':>7s} {'speed-up':>8s} {'by round':>8s} {'accepted':>8s} {'tokens/fwd':>10s}"
+    print(f"  {'contender':44s} {'tok/s':>7s} {'speed-up':>8s} {'by round':>8s} {'accepted':>8s} {'tokens/fwd':>10s}"
           f"  equals plain")
     for c in contenders:
         s = statistics.median(times[c])
         out, stats = results[c]
         acc = f"{stats.acceptance_rate:8.1%}" if stats else f"{'-':>8s}"
         per = f"{stats.tokens_per_round:10.2f}" if stats else f"{1.0:10.2f}"
-        print(f"  {c:34s} {tokens / s:7.2f} {plain_s / s:7.2f}x {median_of_rounds(times['plain'], times[c]):7.2f}x"
+        print(f"  {c:44s} {tokens / s:7.2f} {plain_s / s:7.2f}x {median_of_rounds(times['plain'], times[c]):7.2f}x"
               f" {acc} {per}  {out == plain_ids}")
+    if compiled:  # speculation with a compiled draft against the compiled target alone
+        print("  compiled speculation / compiled plain, by round: " + ", ".join(
+            f"{c.removesuffix(', compiled')}: {median_of_rounds(times['plain, compiled'], times[c]):.2f}x"
+            for c in contenders if c.endswith("compiled") and c != "plain, compiled"))
 
 
 def median_of_rounds(plain: list[float], other: list[float]) -> float:
@@ -164,7 +173,7 @@ def pair_case(args) -> None:
     prompts = [tok.encode(text) for text in PAIR_PROMPTS]
     n = min(args.tokens * 2, target.config.n_positions - max(len(p) for p in prompts))
     compare(f"trained pair: target {PAIR['target']} float32, draft {PAIR['draft']} {args.pair_draft_dtype}",
-            target, draft, prompts, n, args.rounds, args.k, args.fixed_k)
+            target, draft, prompts, n, args.rounds, args.k, args.fixed_k, args.compile)
     serve_case(target, draft, prompts[0], n, args)
 
 
@@ -230,6 +239,8 @@ def main() -> None:
     parser.add_argument("--data", default="data/shakespeare", help="token shards (gpt2 prepare shakespeare)")
     parser.add_argument("--target-minutes", type=float, default=12.0,
                         help="the pair's target's training budget (the draft takes the quickstart preset's)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time each contender with compile=True (the pair only: the xl steps are kernel-bound)")
     parser.add_argument("--skip-xl", action="store_true")
     parser.add_argument("--skip-pair", action="store_true")
     args = parser.parse_args()

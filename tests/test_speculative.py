@@ -384,14 +384,36 @@ def test_a_self_draft_is_built_once_and_again_when_the_weights_change(target, mo
     assert changed == generate_naive(model, PROMPTS, max_new_tokens=6)  # greedy: exact with the new weights
 
 
+@pytest.mark.slow
+def test_a_compiled_draft_proposes_what_the_eager_one_does(target, draft):
+    """compile=True with a draft: the draft decodes through its compiled step, one graph across rounds
+    and rewinds (a 1-token prompt's first step eager). Greedy output is the target's own, and each
+    round proposes and keeps what the eager draft does (the same statistics), fixed and adaptive k."""
+    from torch._dynamo.utils import counters
+    compiled_draft = copy.deepcopy(draft)  # its own compiled step
+    graphs, accepted = {}, 0
+    for prompts in (PROMPTS, [PROMPTS[0]], [[77]]):  # a left-padded batch, one row, a 1-token prompt
+        reference = generate_naive(target, prompts, max_new_tokens=20)
+        for adaptive in (False, True):
+            options = dict(max_new_tokens=20, draft_tokens=3, adaptive_draft=adaptive)
+            eager, eager_stats = speculate(target, prompts, draft=compiled_draft, **options)
+            out, stats = speculate(target, prompts, draft=compiled_draft, compile=True, **options)
+            assert out == eager == reference
+            assert (stats.rounds, stats.proposed, stats.accepted) == (eager_stats.rounds, eager_stats.proposed,
+                                                                      eager_stats.accepted)
+            accepted += stats.accepted
+            graphs.setdefault(len(prompts), counters["stats"]["unique_graphs"])
+    assert accepted > 0  # rounds that kept drafts and rewound the draft's cache past rejected ones
+    assert counters["stats"]["unique_graphs"] == graphs[1]  # one graph per batch size, reused after
+    assert compiled_draft in engine._compiled_decode_steps and target not in engine._compiled_decode_steps
+
+
 def test_draft_errors(target):
     other_vocab = random_model(GPTConfig(n_layer=1, n_head=4, n_embd=32, vocab_size=401, n_positions=160))
     with pytest.raises(ConfigError, match="vocabulary"):
         generate(target, PROMPTS, max_new_tokens=4, draft=other_vocab)
     with pytest.raises(ConfigError, match="self:int8"):
         generate(target, PROMPTS, max_new_tokens=4, draft="gpt2")
-    with pytest.raises(ConfigError, match="compile"):
-        generate(target, PROMPTS, max_new_tokens=4, draft=target, compile=True)
     with pytest.raises(ConfigError, match="draft_tokens"):
         generate(target, PROMPTS, max_new_tokens=4, draft=target, draft_tokens=0)
 

@@ -367,8 +367,9 @@ def add_generate_parser(sub):
                    help="the KV cache's dtype: bfloat16 halves its memory (eager decoding runs slower: README)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the decode step, at any --dtype (the first step compiles, 11-35 s for "
-                        "GPT-2 124M on 2 CPU cores; then bf16, int8 and int4 decode 1.35-1.5x faster: BENCHMARKS.md)")
+                   help="torch.compile the decode step (with --draft: the draft's), at any --dtype (the first "
+                        "step compiles, 11-35 s for GPT-2 124M on 2 CPU cores; then bf16, int8 and int4 decode "
+                        "1.35-1.5x faster: BENCHMARKS.md)")
     p.add_argument("--draft", default=None,
                    help="speculative decoding: a smaller model with the same vocabulary (loaded at --draft-dtype), "
                         "or self:int8 / self:int4 (this model's weights, quantized)")
@@ -413,7 +414,7 @@ def cmd_generate(args):
                   f"({total.acceptance_rate:.1%}), {total.tokens_per_round:.2f} tokens per target forward")
         if cfg.adaptive_draft:  # the costs adaptive k weighed (measured before the first round, then cached)
             from gpt2.engine import draft_costs
-            costs = draft_costs(model, draft)
+            costs = draft_costs(model, draft, cfg.compile)
             report += (f"; a draft step costs {costs.draft_step:.3f} target steps, a verified position "
                        f"{costs.verify_position:.3f}")
         print(report, file=sys.stderr)

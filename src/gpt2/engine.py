@@ -60,7 +60,7 @@ class GenerationConfig:
     stop_token_ids: list[int] | None = None  # besides EOS; a stop token is not part of the output
     ignore_eos: bool = False                 # EOS is <|endoftext|> when the vocabulary is GPT-2's
     truncate: str | None = None              # None: a too-long prompt is an error; "left": keep its end
-    compile: bool = False                    # decode with one torch.compile'd, fixed-shape step
+    compile: bool = False                    # decode with one torch.compile'd step (with a draft: the draft's)
     draft: object = None                     # speculative decoding: a GPT with the same vocabulary,
                                              # or "self:int8" / "self:int4" (the target's weights, quantized)
     draft_tokens: int = 4                    # k: tokens the draft proposes per round (the first round's)
@@ -76,8 +76,6 @@ def make_config(*, max_new_tokens=64, temperature=0.0, top_k=None, top_p=None, s
         raise ConfigError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
     if not isinstance(draft_tokens, int) or draft_tokens < 1:
         raise ConfigError(f"draft_tokens must be a positive integer, got {draft_tokens!r}")
-    if draft is not None and compile:
-        raise ConfigError("compile=True decodes one token per step; it cannot be combined with a draft model")
     if truncate not in (None, "left"):
         raise ConfigError(f"truncate must be None or 'left', got {truncate!r}")
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -334,9 +332,19 @@ class StaticDecode:
             return self.fn(*args)
 
     def __call__(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits (B, V) of ids (B,) written at the cache's position, which then advances by one."""
+        moved = cache.pos + 1 - self.length
+        if moved:  # the cache moved without this step (a speculative round's rewind): follow it
+            self.positions += moved
+            self.slot += moved
+            self.length += moved
         keys = self.keys[:, : self.length]  # a view: (B, slot + 1)
         args = (self.model, ids.view(-1, 1), self.positions, self.slot, keys, cache)
-        if self.guards_checked:
+        if self.length == 1:
+            # A draft's first step after a 1-token prompt: Dynamo specializes sizes 0 and 1, so a dynamic
+            # length cannot start there. This one step runs eagerly.
+            logits = decode_step(*args)
+        elif self.guards_checked:
             # Every later step runs on the same model, cache and input tensors: only the guards that tell
             # the cached graphs apart are evaluated, and they pass for the graph the first step chose.
             try:
@@ -433,7 +441,7 @@ def _model_signature(model) -> dict:
 
 
 @torch.inference_mode()
-def draft_costs(target, draft) -> DraftCosts:
+def draft_costs(target, draft, compiled: bool = False) -> DraftCosts:
     """The pair's DraftCosts, measured once per machine and pair, then read from the cache beside the
     kernel plans: greedy rounds of 0 and PROBE_DRAFTS drafts after a 16-token prompt, as
     Speculation runs them (~15 target forwards and ~50 draft steps: under a second for GPT-2 124M, a
@@ -447,11 +455,14 @@ def draft_costs(target, draft) -> DraftCosts:
             return {"draft_step": 1.0, "verify_position": 0.0}
         prompt = [0] * min(16, context - k - 1)
         spec = Speculation.for_prompts(target, draft, [prompt], make_config(
-            max_new_tokens=k + 1, ignore_eos=True, draft=draft, draft_tokens=k, adaptive_draft=False))
+            max_new_tokens=k + 1, ignore_eos=True, draft=draft, draft_tokens=k, adaptive_draft=False,
+            compile=compiled))
         _, step = _round_seconds(spec, 0)
         propose, verify = _round_seconds(spec, k)
         return {"draft_step": propose / k / step, "verify_position": max(0.0, verify - step) / k / step}
     key = {"target": _model_signature(target), "draft": _model_signature(draft), "rounds of": PROBE_DRAFTS}
+    if compiled:  # a compiled draft step costs less; the eager key stays as it was
+        key["draft compiled"] = True
     # Every generate call with a draft asks: the cache file (and /proc/cpuinfo, for the machine's key)
     # is read once per process and cache location, not per call.
     memo_key = (str(default_cache_path()), json.dumps(key, sort_keys=True))
@@ -525,8 +536,10 @@ class Speculation:
 
     def __init__(self, target, draft, seq: torch.Tensor, length: int, prompt_length: int, target_cache,
                  draft_cache: KVCache | None, state: SamplingState, sampling: SamplingConfig, schedule: DraftLength,
-                 generators=None, mask: torch.Tensor | None = None, stats: SpeculationStats | None = None):
+                 generators=None, mask: torch.Tensor | None = None, stats: SpeculationStats | None = None,
+                 draft_step: StaticDecode | None = None):
         self.target, self.draft, self.sampling = target, draft, sampling
+        self.draft_step = draft_step  # the draft's compiled decode step (compile=True), else None: eager
         self.seq, self.length, self.prompt_length, self.mask = seq, length, prompt_length, mask
         # anything with KVCache's interface; the draft's may come later (batching.py), before the first round
         self.target_cache, self.draft_cache = target_cache, draft_cache
@@ -544,12 +557,15 @@ class Speculation:
         seq = torch.zeros(B, P + N, dtype=torch.long, device=device)
         seq[:, :P] = prompt
         state = SamplingState(rows, cfg.sampling, target.config.vocab_size, device)
+        # A compiled draft step keeps a slot to spare in its cache, as _run's does.
+        draft_capacity = P + N - 1 + int(cfg.compile)
         spec = cls(target, draft, seq, P, P, KVCache.for_model(target, B, P + N - 1),
-                   KVCache.for_model(draft, B, P + N - 1), state, cfg.sampling,
+                   KVCache.for_model(draft, B, draft_capacity), state, cfg.sampling,
                    DraftLength(cfg.draft_tokens, cfg.adaptive_draft,
-                               draft_costs(target, draft) if cfg.adaptive_draft else None),
+                               draft_costs(target, draft, cfg.compile) if cfg.adaptive_draft else None),
                    None if cfg.sampling.greedy else make_generators(cfg.seed, B, device),
-                   mask if any(len(r) != P for r in rows) else None)
+                   mask if any(len(r) != P for r in rows) else None,
+                   draft_step=StaticDecode(draft, rows, mask, draft_capacity) if cfg.compile else None)
         if P > 1:
             spec._forward(target, spec.target_cache, prompt[:, :-1], last_logits_only=True)
             spec._forward(draft, spec.draft_cache, prompt[:, :-1], last_logits_only=True)
@@ -568,6 +584,15 @@ class Speculation:
         mask = None if self.mask is None else self.mask[:, :cache.pos + ids.size(1)]
         return model(ids, cache=cache, attention_mask=mask, last_logits_only=last_logits_only)
 
+    def _draft_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """The draft's raw logits (B, V) after it reads ids (B, T)."""
+        if self.draft_step is None:
+            return self._forward(self.draft, self.draft_cache, ids, last_logits_only=True)[:, -1]
+        for j in range(ids.size(1)):  # the compiled step reads one id at a time
+            # a copy with standard strides: a strided view would fail the compiled graph's guards
+            logits = self.draft_step(ids[:, j].clone(memory_format=torch.contiguous_format), self.draft_cache)
+        return logits
+
     def propose(self, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The draft's next k ids (B, k), each drawn as the target would draw (the same sampling config),
         and the distributions they came from (B, k, V); None when greedy."""
@@ -577,8 +602,7 @@ class Speculation:
         state = self.state.clone()  # penalties see the drafts before each one
         ids = self.seq[:, self.draft_cache.pos:self.length]  # (B, 1 or 2): committed, unseen by the draft
         for i in range(k):
-            logits = state.process(self._forward(self.draft, self.draft_cache, ids, last_logits_only=True)[:, -1],
-                                   self.sampling)  # (B, V)
+            logits = state.process(self._draft_logits(ids), self.sampling)  # (B, V)
             if probs is None:
                 drafts[:, i] = logits.argmax(dim=-1)
             else:
