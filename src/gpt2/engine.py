@@ -246,7 +246,7 @@ class Stream:
 
 
 # ---------------------------------------------------------------------------------------------
-# the compiled path: one decode step with fixed shapes, so torch.compile builds one graph
+# the compiled path: one decode step whose only changing size is dynamic, so torch.compile builds one graph
 # ---------------------------------------------------------------------------------------------
 
 class _SlotCache:
@@ -257,7 +257,8 @@ class _SlotCache:
     position, outside the graph, so `advance` here does nothing."""
 
     def __init__(self, cache: KVCache, slot: torch.Tensor, length):
-        self.cache, self.pos, self.capacity = cache, slot, length  # slot (1,) int64; length = slot + 1
+        # slot (1,) int64; length = slot + 1, which GPT.forward reads as `capacity`: the keys it attends to
+        self.cache, self.pos, self.capacity = cache, slot, length
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         keys, values = self.cache.k[layer], self.cache.v[layer]
