@@ -451,7 +451,8 @@ def test_cli_generate_with_a_draft_prints_the_plain_greedy_text(tmp_path, capsys
             "--ignore-eos", "--device", "cpu"]
     assert main(base) == 0
     plain = capsys.readouterr().out
-    for draft in (["--draft", "self:int8"], ["--draft", str(tmp_path / "draft"), "--draft-tokens", "3", "--stream"]):
+    for draft in (["--draft", "self:int8"], ["--draft", str(tmp_path / "draft"), "--draft-tokens", "3", "--stream"],
+                  ["--draft", str(tmp_path / "draft"), "--compile"]):  # the draft's steps compiled
         assert main(base + draft) == 0
         assert capsys.readouterr().out == plain
     # --verbose also reports the rounds: 20 tokens = the kept drafts + one target token a round
