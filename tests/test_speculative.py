@@ -348,6 +348,9 @@ def test_quantized_copy_equals_apply_plan_and_leaves_the_model_alone(target):
     # a packed int8 model copies too (read back through its format's reference weights)
     with torch.inference_mode():
         assert torch.equal(quantized_copy(reference, "int8")(ids), reference(ids))
+    bf16_cache = copy.deepcopy(target)
+    bf16_cache.kv_dtype = torch.bfloat16
+    assert quantized_copy(bf16_cache, "int8").kv_dtype == torch.bfloat16 and quantized.kv_dtype is None
 
 
 @pytest.mark.parametrize("precision,fmt", [("float32", "onednn"), ("float32", "onednn b8"), ("bfloat16", "onednn")])

@@ -722,6 +722,7 @@ def quantized_copy(model, precision: str):
     with torch.device("meta"):
         copy = GPT(model.config, vocab_multiple=model.padded_vocab_size)  # the same padded rows
     copy.load_state_dict(state, strict=True, assign=True)
+    copy.kv_dtype = getattr(model, "kv_dtype", None)  # a self-draft's caches as the target's
     del state  # the packed copies replace them one linear at a time
     return apply_plan(copy, plan_for(copy, precision))
 
