@@ -240,7 +240,7 @@ def main() -> None:
     parser.add_argument("--target-minutes", type=float, default=12.0,
                         help="the pair's target's training budget (the draft takes the quickstart preset's)")
     parser.add_argument("--compile", action="store_true",
-                        help="also time each contender with compile=True (the pair only: the xl steps are kernel-bound)")
+                        help="also time each contender with compile=True (the pair only: xl steps are kernel-bound)")
     parser.add_argument("--skip-xl", action="store_true")
     parser.add_argument("--skip-pair", action="store_true")
     args = parser.parse_args()

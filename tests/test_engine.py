@@ -246,7 +246,8 @@ def test_a_bfloat16_kv_cache_rounds_keys_and_values_only(model):
     from gpt2.kv_cache import BatchKV, KVCache
     bf = copy.deepcopy(model)
     bf.kv_dtype = torch.bfloat16
-    assert KVCache.for_model(bf, 1, 8).k[0].dtype == torch.bfloat16 and KVCache.for_model(model, 1, 8).k[0].dtype == torch.float32
+    assert KVCache.for_model(bf, 1, 8).k[0].dtype == torch.bfloat16
+    assert KVCache.for_model(model, 1, 8).k[0].dtype == torch.float32
     assert BatchKV.for_model(bf, 2).dtype == torch.bfloat16
     ids = torch.tensor([PROMPTS[0] * 3])  # (1, 21)
     with torch.inference_mode():

@@ -505,7 +505,8 @@ def cmd_serve(args):
                        max_queue=args.max_queue, prefill_chunk=args.prefill_chunk, prefix_cache=args.prefix_cache,
                        max_kv_mb=args.max_kv_mb, request_timeout=args.request_timeout,
                        max_connections=args.max_connections, dtype=args.dtype, kv_dtype=args.kv_dtype,
-                       device=args.device, draft=args.draft, draft_dtype=args.draft_dtype, draft_tokens=args.draft_tokens,
+                       device=args.device, draft=args.draft, draft_dtype=args.draft_dtype,
+                       draft_tokens=args.draft_tokens,
                        adaptive_draft=not args.fixed_draft_tokens))
 
 
