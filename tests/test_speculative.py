@@ -98,7 +98,8 @@ def test_greedy_with_adaptive_k_and_penalties_equals_the_target_alone(target, dr
 
 def test_a_perfect_draft_keeps_every_token_and_k_grows(target, monkeypatch):
     # The target as its own draft costs a whole step per draft; priced as a cheap draft, k must grow.
-    monkeypatch.setattr(engine, "draft_costs", lambda t, d: DraftCosts(draft_step=0.05, verify_position=0.01))
+    monkeypatch.setattr(engine, "draft_costs",
+                        lambda t, d, compiled=False: DraftCosts(draft_step=0.05, verify_position=0.01))
     out, stats = speculate(target, [PROMPTS[0]], max_new_tokens=50, draft=target, draft_tokens=2)
     assert out == generate_naive(target, [PROMPTS[0]], max_new_tokens=50)
     assert stats.accepted == stats.proposed
