@@ -14,7 +14,8 @@ them), GPT-2's shapes.
   decode   a 16-token prompt, then N greedy steps; tok/s over the steps only (the prefill not counted)
   prefill  one 512-token forward keeping the last position's logits; tok/s = 512 / time
   batch 8  8 prompts decoded together (ours only): tok/s = 8 N / time over the steps
-  roofline weight bytes a decode step reads / the measured memory bandwidth: the ceiling; % of it
+  roofline the measured memory bandwidth / weight bytes a decode step reads: the ceiling in tok/s; % of it,
+           against the bandwidth read just before and after each run (it drifts 2x within minutes)
 
 --quality RUN: a trained model (the quickstart `make demo` trains), its perplexity on the val split at
 each precision, ours and llama.cpp's (logits_all=True over the same tokens, on GGUFs of the same
@@ -248,7 +249,7 @@ def run_worker(kind: str, args, **extra) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def speed(args, model_dir: Path, gguf_dir: Path, bandwidth: float, n_weights: int) -> None:
+def speed(args, model_dir: Path, gguf_dir: Path, n_weights: int) -> None:
     contenders = [("transformers fp32", "hf", {}, None)] * (not args.no_hf)
     kv = f" kv {args.kv_dtype}" * (args.kv_dtype != "float32")
     for p in args.precisions:
@@ -259,23 +260,29 @@ def speed(args, model_dir: Path, gguf_dir: Path, bandwidth: float, n_weights: in
         if not args.no_llama:
             contenders.append((f"llama.cpp {LLAMA[p]}", "llama", {"gguf": make_gguf(model_dir, p, gguf_dir)},
                                LLAMA_BYTES[p]))
+    from gpt2.kernels import memory_bandwidth_gbs
     results = {name: [] for name, *_ in contenders}
     for r in range(args.rounds):
         order = contenders[r % len(contenders):] + contenders[: r % len(contenders)]
         for name, kind, extra, _ in order:
             extra = {"model_dir": model_dir, **extra} if kind == "hf" else extra
-            results[name].append(run_worker(kind, args, **extra))
-            print(f"  round {r + 1}: {name}: {results[name][-1]}", flush=True)
-        from gpt2.kernels import memory_bandwidth_gbs
-        print(f"  memory read bandwidth after round {r + 1}: {memory_bandwidth_gbs():.1f} GB/s (it drifts)", flush=True)
+            # The bandwidth drifts from minute to minute (other tenants): each run's roofline is the mean of
+            # the bandwidth read just before and just after it, so a fraction compares like with like.
+            before = memory_bandwidth_gbs()
+            run = run_worker(kind, args, **extra)
+            run["bandwidth"] = (before + memory_bandwidth_gbs()) / 2 * 1e9
+            results[name].append(run)
+            print(f"  round {r + 1}: {name}: {run} (memory read {before:.1f} GB/s before it)", flush=True)
     print(f"\n| contender | decode b1 (tok/s) | % of roofline | prefill {args.prefill} (tok/s) | batch 8 (tok/s) "
           f"| batch 8 / b1 | vs llama.cpp decode | vs llama.cpp prefill |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     med = {name: {k: statistics.median(run[k] for run in runs) for k in runs[0]} for name, runs in results.items()}
     for name, kind, extra, bytes_per_weight in contenders:
         m = med[name]
-        ceiling = bandwidth / (n_weights * bytes_per_weight) if bytes_per_weight else None
-        roof = f"{100 * m['decode'] / ceiling:.0f}% of {ceiling:.0f}" if ceiling else ""
+        roof = ""
+        if bytes_per_weight:  # tokens/s over the ceiling of the run's own bandwidth, median over rounds
+            fractions = [run["decode"] * n_weights * bytes_per_weight / run["bandwidth"] for run in results[name]]
+            roof = f"{100 * statistics.median(fractions):.0f}% of {m['bandwidth'] / (n_weights * bytes_per_weight):.0f}"
         b8 = f"{m['batch8']:.1f} | {m['batch8'] / m['decode']:.2f}x" if "batch8" in m else " | "
         vs = " | "
         if kind == "ours" and not args.no_llama:
@@ -350,7 +357,7 @@ def main():
         sys.exit("no benchmark venv: run `make bench-cpu` (it builds llama-cpp-python into .bench-venv), or pass --no-llama")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_cpu_"))
     work.mkdir(parents=True, exist_ok=True)
-    bandwidth = machine_report()
+    machine_report()
     model_dir = export_model(args.quality, args.preset, work / "hf") if not (work / "hf" / "config.json").exists() \
         else work / "hf"
     if args.quality:
@@ -361,7 +368,7 @@ def main():
     n_weights = L * 12 * C * C + V * C  # the linears a decode step reads (lm_head included), biases aside
     print(f"model: {args.preset} (random weights), {n_weights / 1e6:.1f}M weights read per decode token; "
           f"decode: 16-token prompt + {args.decode_steps} steps; prefill {args.prefill}")
-    speed(args, model_dir, work, bandwidth, n_weights)
+    speed(args, model_dir, work, n_weights)
 
 
 if __name__ == "__main__":
