@@ -103,7 +103,7 @@ def test_a_path_that_cannot_read_a_shape_is_rejected_with_its_reason():
 
 # --- every path against its reference ---------------------------------------------------------
 
-ROWS = (1, 8, 40, 300)  # decode, batch, prefill and long regimes
+ROWS = (1, 8, 40, 150, 300)  # decode, batch, short, prefill and long regimes
 
 
 @pytest.mark.parametrize("fmt", [f for f in CPU_FORMATS if f.available()], ids=lambda f: f"{f.precision}-{f.name}")
@@ -228,11 +228,12 @@ def test_a_corrupt_or_foreign_cache_is_ignored_with_one_warning(kernel_cache, co
 
 
 def test_choice_takes_the_format_nearest_the_best_of_each_regime():
-    timings = {"a": {"p": {"decode": 10.0, "batch": 50.0, "prefill": 100.0, "long": 400.0}},
-               "b": {"p": {"decode": 12.0, "batch": 20.0, "prefill": 100.0, "long": 400.0},
-                     "q": {"decode": 11.0, "batch": 90.0, "prefill": 300.0, "long": 350.0}}}
+    timings = {"a": {"p": {"decode": 10.0, "batch": 50.0, "short": 60.0, "prefill": 100.0, "long": 400.0}},
+               "b": {"p": {"decode": 12.0, "batch": 20.0, "short": 70.0, "prefill": 100.0, "long": 400.0},
+                     "q": {"decode": 11.0, "batch": 90.0, "short": 60.0, "prefill": 300.0, "long": 350.0}}}
     choice = kernels._choose(timings, {})
-    assert choice.format == "b" and choice.paths == {"decode": "q", "batch": "p", "prefill": "p", "long": "q"}
+    assert choice.format == "b"
+    assert choice.paths == {"decode": "q", "batch": "p", "short": "q", "prefill": "p", "long": "q"}
 
 
 def test_a_regime_is_timed_unless_the_one_before_proves_it_cannot_win():
@@ -246,7 +247,10 @@ def test_a_regime_is_timed_unless_the_one_before_proves_it_cannot_win():
     assert not kernels._may_win("long", {}, timings)  # skipped at prefill: slower still
     assert not kernels._may_win("batch", {"decode": 81.0}, timings)  # 8 rows: at most 8x the best
     assert kernels._may_win("batch", {"decode": 80.0}, timings)
-    assert kernels._may_win("prefill", {"decode": 10000.0}, timings)  # cold copies vs one warm: never pruned
+    assert kernels._may_win("short", {"decode": 10000.0}, timings)  # cold copies vs one warm: never pruned
+    timings["a"]["p"]["short"] = 60.0
+    assert kernels._may_win("prefill", {"short": 120.0}, timings)  # 128 rows: at most 2x the best at 64
+    assert not kernels._may_win("prefill", {"short": 121.0}, timings)
 
 
 @pytest.mark.parametrize("fmt", [f for f in CPU_FORMATS if f.available()], ids=lambda f: f"{f.precision}-{f.name}")
@@ -300,7 +304,7 @@ def test_a_wide_layer_is_checked_on_its_edge_outputs(monkeypatch):
 
 
 def test_a_wide_layers_prefill_is_timed_on_its_leading_outputs_and_scaled(monkeypatch):
-    """Wider than WIDE_OUTPUTS, prefill and long run on the first WIDE_OUTPUTS + N % 64 outputs (still
+    """Wider than WIDE_OUTPUTS, short, prefill and long run on the first WIDE_OUTPUTS + N % 64 outputs (still
     checked there: a path wrong only at many rows is rejected) and their times are scaled by the width;
     decode and batch run on the whole layer."""
     from gpt2 import quantize
@@ -318,10 +322,10 @@ def test_a_wide_layers_prefill_is_timed_on_its_leading_outputs_and_scaled(monkey
     monkeypatch.setattr(kernels, "_time_path", lambda *a, **k: 1e-6)  # every call "takes" 1 us
     choice = kernels.measure_shape("float32", N, 16, None)
     assert "broken/wrong at many rows" in choice.rejected and choice.format != "broken"
-    assert widths == {1: {N}, 8: {N}, 128: {64 + 5}}  # rejected at 128 rows: never called at 512
+    assert widths == {1: {N}, 8: {N}, 64: {64 + 5}, 128: {64 + 5}}  # rejected at 128 rows: never called at 512
     plain = choice.timings_us["plain"]["F.linear"]
     assert plain["decode"] == plain["batch"] == pytest.approx(1.0)
-    assert plain["prefill"] == plain["long"] == pytest.approx(N / (64 + 5))
+    assert plain["short"] == plain["prefill"] == plain["long"] == pytest.approx(N / (64 + 5))
 
 
 def test_int8_paths_shared_by_formats_are_measured_once(monkeypatch):

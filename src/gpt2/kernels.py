@@ -12,21 +12,21 @@ and the precision asked for, every weight format quantize.py offers is packed fr
 and each of its paths is
   1. checked against the float64 product of the weights that format computes with (a path outside
      its precision's rounding, as a kernel with a layout bug would be, is rejected), then
-  2. timed at 1 row (decode), 8 rows (batched decode), 128 rows (prefill) and 512 rows (long: a
-     long prompt or a server's prefill chunk, from 256 rows), keeping the fastest of a few repeats
-     (other work only adds time). Decode and batch rotate over enough copies of the weight to exceed
-     the last-level cache, so they read memory as a real model does; prefill and long are bound by
-     FLOPs and use one copy.
+  2. timed at 1 row (decode), 8 rows (batched decode), 64 rows (short: a short prompt, 33-127 rows),
+     128 rows (prefill) and 512 rows (long: a long prompt or a server's prefill chunk, from 256 rows),
+     keeping the fastest of a few repeats (other work only adds time). Decode and batch rotate over
+     enough copies of the weight to exceed the last-level cache, so they read memory as a real model
+     does; short, prefill and long are bound by FLOPs and use one copy.
 Per format, each regime takes its fastest path; the format kept is the one whose regimes are, summed,
 closest to the best of each (time / best time, added over the four regimes).
 
 What keeps measuring to seconds (124M on 2 cores, a fresh cache: bf16 ~2 s, float32 ~4 s, int8 ~4 s,
 int4 ~2 s): each regime is measured across every format before the next, so a path that provably
 cannot win is skipped (_may_win); a path two formats share on the same tensors is measured once
-(WeightFormat.same_weights_as); paths that dequantize the whole weight per call are timed only at 128
-and 512 rows; a layer wider than WIDE_OUTPUTS (the lm_head) times those two regimes on its leading
+(WeightFormat.same_weights_as); paths that dequantize the whole weight per call are timed only at 64,
+128 and 512 rows; a layer wider than WIDE_OUTPUTS (the lm_head) times those three regimes on its leading
 outputs and scales the times by its width; checks compare the edges of long calls and wide layers
-against one float64 reference per distinct weight, and at 128 and 512 rows the check's call is the
+against one float64 reference per distinct weight, and at 64, 128 and 512 rows the check's call is the
 first sample. What is left is mostly packing the cold copies (int8's u8s8 engines: ~5 ms a copy).
 
 Results are cached per CPU model and features, torch version, thread count and candidate list, in
@@ -51,15 +51,16 @@ from gpt2.quantize import REGIMES, WeightFormat, _Packed, formats_for, kernel_dt
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 6  # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
+CACHE_VERSION = 7  # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
                    # 4: the bf16 oneDNN format keeps only its packed weight (no float32-GEMM path);
                    # 5: entries keyed by the layer's own precision (int4 and int8 plans share the int8 lm_head);
                    # 6: int4's "dequant bf16" writes a (K, N) weight and fuses bias and GELU; paths cast their
-                   # own input and return their kernel's dtype (int8's u8s8 no longer rounds x to bf16 first)
+                   # own input and return their kernel's dtype (int8's u8s8 no longer rounds x to bf16 first);
+                   # 7: "short" (33-127 rows, timed at 64)
 # The files cached_measurement keeps (training.json, lm_head.json) carry their own version: a change
 # to the kernel plans above leaves them valid.
 MEASUREMENT_CACHE_VERSION = 5
-ROWS = {"decode": 1, "batch": 8, "prefill": 128, "long": 512}  # the rows each regime is timed at
+ROWS = {"decode": 1, "batch": 8, "short": 64, "prefill": 128, "long": 512}  # the rows each regime is timed at
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2 ** -7, "int8": 2 ** -7, "int4": 2 ** -7}  # relative, see _check
 REPEATS = 5
 LONG_SAMPLE_S = 0.1  # a call this long is timed once (_time_path)
@@ -272,7 +273,7 @@ class Candidate:
     twin: WeightFormat | None  # the candidate format.same_weights_as names (measured before this one)
 
 
-# Prefill and long are bound by FLOPs, and their time grows with a layer's width: a layer wider than
+# Short, prefill and long are bound by FLOPs, and their time grows with a layer's width: a layer wider than
 # this (the lm_head: 50,257 outputs, a 512-row call 0.1-0.3 s per path) times them on its first
 # WIDE_OUTPUTS outputs, plus its width modulo 64 (so that a partial block stays partial), and scales
 # the times up by the width. Decode and batch, bound by memory, always time the whole layer.
@@ -322,7 +323,7 @@ def measure_shape(precision: str, out_features: int, in_features: int, activatio
                 elif _may_win(regime, times, timings, always=name == first):
                     dynamic = name in fmt.dynamic_paths
                     why, checked = _check(path, c.tensors, c.bias, activation, c.expected, inputs[regime], dynamic)
-                    # decode and batch rotate over cold copies; prefill and long call the one copy the check
+                    # decode and batch rotate over cold copies; short, prefill and long call the one copy the check
                     # has just called, so that call is their warm-up and their first sample
                     elapsed = None if why else scale * 1e6 * _time_path(
                         path, c.copies if cold else c.copies[:1], c.bias, activation, inputs[regime],
@@ -473,7 +474,7 @@ def _check(path, tensors, b, activation, expected: Expected, x: torch.Tensor,
 
 
 # A regime timed after one with fewer rows, read the same way (both over cold copies, or both over one warm copy)
-PRUNED_AFTER = {"batch": "decode", "long": "prefill"}
+PRUNED_AFTER = {"batch": "decode", "prefill": "short", "long": "prefill"}
 
 
 def _may_win(regime: str, times: dict, timings: dict, always: bool = False) -> bool:

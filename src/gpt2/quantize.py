@@ -458,16 +458,20 @@ def layer_precision(precision: str, attr: str) -> str:
 # the module: one linear in one format, one path per regime
 # ---------------------------------------------------------------------------------------------
 
-REGIMES = ("decode", "batch", "prefill", "long")
+REGIMES = ("decode", "batch", "short", "prefill", "long")
 BATCH_ROWS = 2      # from here on a call is "batch" (several sequences decoding at once)
-PREFILL_ROWS = 33   # from here on "prefill"
-LONG_ROWS = 256     # and from here on "long" (a long prompt, or a server's prefill chunk): the cost of
-                    # dequantizing a weight once per call is spread over enough rows to pay off
+SHORT_ROWS = 33     # from here on "short" (a short prompt)
+PREFILL_ROWS = 128  # from here on "prefill". A path that dequantizes the weight once per call costs a
+                    # fixed ~1 ms per 2304x768 weight here, one that dequantizes per block of rows
+                    # (int4pack_mm) a cost per row: which is faster flips between 64 and 128 rows.
+LONG_ROWS = 256     # and from here on "long" (a long prompt, or a server's prefill chunk)
 
 
 def regime_of(rows: int) -> str:
-    if rows < PREFILL_ROWS:
+    if rows < SHORT_ROWS:
         return "decode" if rows < BATCH_ROWS else "batch"
+    if rows < PREFILL_ROWS:
+        return "short"
     return "prefill" if rows < LONG_ROWS else "long"
 
 
