@@ -93,6 +93,29 @@ def test_int4pack_dequantize_reads_the_kernels_own_layout_exactly():
     torch.testing.assert_close(kernel_view.t().double(), back.double(), rtol=2 ** -8, atol=1e-6)
 
 
+def test_a_call_takes_the_path_of_its_regime():
+    """FastLinear dispatches on the rows of a call: 1 decode, 2-32 batch, 33-127 short (timed at 64),
+    128-255 prefill (timed at 128), from 256 long (timed at 512); each row count the regime is timed at
+    falls inside it."""
+    from gpt2 import quantize
+    ran = []
+
+    def path_for(regime):
+        def path(x, t, b, a):
+            ran.append(regime)
+            return F.linear(x, t["weight"], b)
+        return path
+    fmt = quantize.WeightFormat("probe", "float32", lambda w, b: {"weight": w}, quantize._plain_reference,
+                                {r: path_for(r) for r in quantize.REGIMES})
+    layer = FastLinear(fmt, torch.randn(8, 4), None, {r: r for r in quantize.REGIMES})
+    expected = {1: "decode", 2: "batch", 32: "batch", 33: "short", 127: "short", 128: "prefill", 255: "prefill",
+                256: "long", 600: "long"}
+    for rows, regime in expected.items():
+        layer(torch.randn(1, rows, 4))
+        assert ran[-1] == regime, f"{rows} rows ran {ran[-1]}, not {regime}"
+    assert all(quantize.regime_of(n) == r for r, n in kernels.ROWS.items())
+
+
 def test_a_path_that_cannot_read_a_shape_is_rejected_with_its_reason():
     """int4pack's dequant path reads blocks of 64 rows; for 80 rows measure_shape rejects it, names why,
     and keeps the int4 kernel for every regime."""
