@@ -18,10 +18,10 @@ and each of its paths is
      enough copies of the weight to exceed the last-level cache, so they read memory as a real model
      does; short, prefill and long are bound by FLOPs and use one copy.
 Per format, each regime takes its fastest path; the format kept is the one whose regimes are, summed,
-closest to the best of each (time / best time, added over the four regimes).
+closest to the best of each (time / best time, added over the five regimes).
 
-What keeps measuring to seconds (124M on 2 cores, a fresh cache: bf16 ~2 s, float32 ~4 s, int8 ~4 s,
-int4 ~2 s): each regime is measured across every format before the next, so a path that provably
+What keeps measuring to seconds (124M on 2 cores, a fresh cache: bf16 ~2.5 s, float32 ~4-5 s, int8 ~5.5-6.5 s,
+int4 ~3 s): each regime is measured across every format before the next, so a path that provably
 cannot win is skipped (_may_win); a path two formats share on the same tensors is measured once
 (WeightFormat.same_weights_as); paths that dequantize the whole weight per call are timed only at 64,
 128 and 512 rows; a layer wider than WIDE_OUTPUTS (the lm_head) times those three regimes on its leading
