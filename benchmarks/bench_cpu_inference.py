@@ -192,8 +192,8 @@ WORKERS = {"ours": worker_ours, "hf": worker_hf, "llama": worker_llama,
 # the parent: models, GGUFs, rounds, the table
 # ---------------------------------------------------------------------------------------------
 
-def machine_report() -> float:
-    """Print the CPU, its flags and the memory bandwidth; return the bandwidth in bytes/s."""
+def machine_report() -> None:
+    """Print the CPU, its flags and the memory bandwidth at the start (each run reads its own: speed())."""
     from gpt2.kernels import cpu_features, cpu_model, memory_bandwidth_gbs
     import torch
     bandwidth = memory_bandwidth_gbs()
@@ -201,7 +201,6 @@ def machine_report() -> float:
           f"no AMX" * (not any(f.startswith("amx") for f in cpu_features())))
     print(f"memory read bandwidth: {bandwidth:.1f} GB/s (sum over 512 MiB, best of 5); torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
-    return bandwidth * 1e9
 
 
 def make_gguf(model_dir: Path, precision: str, out_dir: Path) -> Path:
