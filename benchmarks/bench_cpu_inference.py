@@ -261,17 +261,20 @@ def speed(args, model_dir: Path, gguf_dir: Path, n_weights: int) -> None:
                                LLAMA_BYTES[p]))
     from gpt2.kernels import memory_bandwidth_gbs
     results = {name: [] for name, *_ in contenders}
+    # The bandwidth drifts from minute to minute (other tenants): each run's roofline is the mean of the
+    # bandwidth read just before and just after it (one reading between two runs serves both).
+    before = memory_bandwidth_gbs()
     for r in range(args.rounds):
         order = contenders[r % len(contenders):] + contenders[: r % len(contenders)]
         for name, kind, extra, _ in order:
             extra = {"model_dir": model_dir, **extra} if kind == "hf" else extra
-            # The bandwidth drifts from minute to minute (other tenants): each run's roofline is the mean of
-            # the bandwidth read just before and just after it, so a fraction compares like with like.
-            before = memory_bandwidth_gbs()
             run = run_worker(kind, args, **extra)
-            run["bandwidth"] = (before + memory_bandwidth_gbs()) / 2 * 1e9
+            after = memory_bandwidth_gbs()
+            run["bandwidth"] = (before + after) / 2 * 1e9
             results[name].append(run)
-            print(f"  round {r + 1}: {name}: {run} (memory read {before:.1f} GB/s before it)", flush=True)
+            print(f"  round {r + 1}: {name}: {run} (memory read {before:.1f} GB/s before it, {after:.1f} after)",
+                  flush=True)
+            before = after
     print(f"\n| contender | decode b1 (tok/s) | % of roofline | prefill {args.prefill} (tok/s) | batch 8 (tok/s) "
           f"| batch 8 / b1 | vs llama.cpp decode | vs llama.cpp prefill |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -462,7 +462,7 @@ REGIMES = ("decode", "batch", "short", "prefill", "long")
 BATCH_ROWS = 2      # from here on a call is "batch" (several sequences decoding at once)
 SHORT_ROWS = 33     # from here on "short" (a short prompt)
 PREFILL_ROWS = 128  # from here on "prefill". A path that dequantizes the weight once per call costs a
-                    # fixed ~1 ms per 2304x768 weight here, one that dequantizes per block of rows
+                    # fixed 1-2 ms per 2304x768 weight here, one that dequantizes per block of rows
                     # (int4pack_mm) a cost per row: which is faster flips between 64 and 128 rows.
 LONG_ROWS = 256     # and from here on "long" (a long prompt, or a server's prefill chunk)
 
