@@ -35,11 +35,21 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# On a CPU with AMX, llama.cpp is compiled without its AMX kernels: in 0.3.36 they die with a general
+# protection fault at `ldtilecfg` (ggml_backend_amx_mul_mat, every Q8_0 and Q4_0 model; seen on an Intel
+# Xeon with AMX-BF16/INT8, 2026-12-03; llama.cpp PR 26954). -march=native stays, so it keeps every other
+# path (AVX-512, VNNI, BF16, its repacked Q4_0/Q8_0); GCC lets an explicit -mno-* win over -march.
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+LLAMA_CMAKE_ARGS := $(if $(shell grep -m1 -ow amx_tile /proc/cpuinfo 2>/dev/null),-DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)')
+
 # The benchmark venv: llama-cpp-python compiled from source (~6 min on 2 cores, once), and llama.cpp's
 # GGUF converter (convert_hf_to_gguf.py, gguf-py) unpacked from the same sdist. Never used by tests.
+# --no-cache-dir: pip's wheel cache would hand back a build made with other flags.
 $(BENCH_STAMP): Makefile
+	rm -rf $(BENCH_VENV)
 	$(PYTHON) -m venv $(BENCH_VENV)
-	$(BENCH_VENV)/bin/pip install -q --disable-pip-version-check $(LLAMA_CPP_PYTHON) numpy
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BENCH_VENV)/bin/pip install -q --disable-pip-version-check --no-cache-dir \
+		$(LLAMA_CPP_PYTHON) numpy
 	rm -rf $(BENCH_VENV)/sdist $(BENCH_VENV)/llama.cpp && mkdir -p $(BENCH_VENV)/sdist $(BENCH_VENV)/llama.cpp
 	$(BENCH_VENV)/bin/pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
 		$(LLAMA_CPP_PYTHON) -d $(BENCH_VENV)/sdist

@@ -23,11 +23,16 @@ from gpt2.quantize import (CPU_FORMATS, INT4_GROUP, PRECISIONS, FastLinear, appl
 from gpt2 import kernels
 
 
+MEASURE_EFFECTIVE_CACHE = kernels.effective_cache_bytes
+
+
 @pytest.fixture(autouse=True)
 def kernel_cache(tmp_path, monkeypatch):
-    """Every test measures into its own cache file, never the user's."""
+    """Every test measures into its own cache file, never the user's. The cache the decode copies must
+    exceed is set, not measured (a second per test; a tiny model's copies stop at 64 anyway)."""
     path = tmp_path / "kernels.json"
     monkeypatch.setattr(kernels, "default_cache_path", lambda: path)
+    monkeypatch.setattr(kernels, "effective_cache_bytes", lambda: 32 * 1024 ** 2)
     return path
 
 
@@ -253,10 +258,20 @@ def test_a_corrupt_or_foreign_cache_is_ignored_with_one_warning(kernel_cache, co
 def test_choice_takes_the_format_nearest_the_best_of_each_regime():
     timings = {"a": {"p": {"decode": 10.0, "batch": 50.0, "short": 60.0, "prefill": 100.0, "long": 400.0}},
                "b": {"p": {"decode": 12.0, "batch": 20.0, "short": 70.0, "prefill": 100.0, "long": 400.0},
-                     "q": {"decode": 11.0, "batch": 90.0, "short": 60.0, "prefill": 300.0, "long": 350.0}}}
+                     "q": {"decode": 10.4, "batch": 90.0, "short": 60.0, "prefill": 300.0, "long": 350.0}}}
     choice = kernels._choose(timings, {})
     assert choice.format == "b"
     assert choice.paths == {"decode": "q", "batch": "p", "short": "q", "prefill": "p", "long": "q"}
+
+
+def test_choice_keeps_no_format_much_slower_at_decode():
+    """b is nearer the best of the five regimes summed, but 10% slower at decode, which every generated
+    token pays: a is kept (the rule that picks MKL over oneDNN's 8-row layout for float32 on a Xeon)."""
+    timings = {"a": {"p": {"decode": 10.0, "batch": 50.0, "short": 60.0, "prefill": 100.0, "long": 400.0}},
+               "b": {"p": {"decode": 11.0, "batch": 20.0, "short": 50.0, "prefill": 90.0, "long": 380.0}}}
+    assert kernels._choose(timings, {}).format == "a"
+    timings["b"]["p"]["decode"] = 10.4  # within DECODE_SLACK: the sum decides
+    assert kernels._choose(timings, {}).format == "b"
 
 
 def test_a_regime_is_timed_unless_the_one_before_proves_it_cannot_win():
@@ -399,7 +414,7 @@ def test_an_int4_plan_reuses_the_int8_lm_head_an_int8_plan_measured(monkeypatch)
 def test_decode_timing_copies_own_their_storage(fmt, monkeypatch):
     """Decode is timed over copies spanning the cache; copies that alias one buffer would be timed cache-hot.
     (oneDNN's opaque tensors are new allocations by construction; the plain ones are checked here.)"""
-    monkeypatch.setattr(kernels, "last_level_cache_bytes", lambda: 4 * 1024 ** 2)
+    monkeypatch.setattr(kernels, "effective_cache_bytes", lambda: 4 * 1024 ** 2)
     w, b = torch.randn(64, 256), torch.randn(64)
     copies = kernels._copies(fmt, w, b, fmt.pack(w, b))
     strided = [[t.data_ptr() for t in kernels._unwrap(c).values()
@@ -407,6 +422,23 @@ def test_decode_timing_copies_own_their_storage(fmt, monkeypatch):
     pointers = [p for ptrs in strided for p in ptrs]
     assert len(copies) > 1 and len(set(pointers)) == len(pointers)
     assert len(pointers) >= len(copies) or not strided[0]
+
+
+def test_the_effective_cache_is_the_largest_buffer_read_faster_than_memory(monkeypatch):
+    """A VM's sysfs names the whole socket's L3 (480 MiB on a Xeon here) while the process finds far less
+    of it: the cache that decode's copies must exceed is measured, on a curve made up here (fast up to 32
+    MiB, memory speed from 64 MiB), then cached."""
+    MiB = 1024 ** 2
+    read = []
+    monkeypatch.setattr(kernels, "last_level_cache_bytes", lambda: 480 * MiB)
+    monkeypatch.setattr(kernels, "_read_rate", lambda n: read.append(n) or (50e9 if n <= 32 * MiB else 20e9))
+    assert MEASURE_EFFECTIVE_CACHE() == 32 * MiB
+    assert read[0] == 960 * MiB and max(read[1:]) == 64 * MiB  # one cold reference, then 4 .. 64 MiB
+    read.clear()
+    assert MEASURE_EFFECTIVE_CACHE() == 32 * MiB and not read  # from the cache
+    monkeypatch.setattr(kernels, "machine_key", lambda: {"cpu": "another"})
+    monkeypatch.setattr(kernels, "_read_rate", lambda n: 20e9)  # no cache at all: the floor
+    assert MEASURE_EFFECTIVE_CACHE() == 4 * MiB
 
 
 def test_info_kernels_prints_the_plan(capsys):
