@@ -16,14 +16,16 @@ and each of its paths is
      128 rows (prefill) and 512 rows (long: a long prompt or a server's prefill chunk, from 256 rows),
      keeping the fastest of a few repeats (other work only adds time). Decode and batch rotate over
      enough copies of the weight to exceed the cache this process gets (measured once:
-     effective_cache_bytes), so they read memory as a real model does; short, prefill and long are bound by FLOPs and use one copy.
+     effective_cache_bytes), so they read memory as a real model does; short, prefill and long are
+     bound by FLOPs and use one copy.
 Per format, each regime takes its fastest path. The format kept is, among those within 5% of the fastest
 at decode (a generated token costs a decode call; a prompt is paid once), the one whose regimes are,
 summed, closest to the best of each (time / best time, added over the five regimes).
 
 What keeps measuring to seconds (124M on 2 cores, a fresh cache: bf16 ~2.5 s, float32 ~4-5 s, int8 ~5.5-6.5 s,
-int4 ~3 s): each regime is measured across every format before the next, so a path that provably
-cannot win is skipped (_may_win); a path two formats share on the same tensors is measured once
+int4 ~3 s on an AMD EPYC; 4-5 s, int8 11 s, int4 2.6 s on an Intel Xeon, whole commands): each regime is
+measured across every format before the next, formats slower at decode stop there, and a path that
+provably cannot win in its format is skipped (_may_win); a path two formats share on the same tensors is measured once
 (WeightFormat.same_weights_as); paths that dequantize the whole weight per call are timed only at 64,
 128 and 512 rows; a layer wider than WIDE_OUTPUTS (the lm_head) times those three regimes on its leading
 outputs and scales the times by its width; checks compare the edges of long calls and wide layers
