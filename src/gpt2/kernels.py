@@ -61,7 +61,8 @@ CACHE_VERSION = 8  # 2: decode copies own their storage (version 1 timed float32
                    # own input and return their kernel's dtype (int8's u8s8 no longer rounds x to bf16 first);
                    # 7: "short" (33-127 rows, timed at 64); 8: decode's copies span 2x the measured cache
                    # (effective_cache_bytes), not 2x what sysfs says (480 MiB on a Xeon VM: ~30 s to measure);
-                   # the format is chosen decode first (_choose)
+                   # the format is chosen decode first (_choose); the check's first call is never the
+                   # only sample (_time_path)
 # The files cached_measurement keeps (training.json, lm_head.json) carry their own version: a change
 # to the kernel plans above leaves them valid.
 MEASUREMENT_CACHE_VERSION = 5
@@ -544,21 +545,22 @@ def _time_path(path, copies: list[dict], b, activation, x, best_so_far: float = 
     """The fastest of a few repeats of the mean time per call, each repeat one call per copy, after one
     warm-up call per copy. first_sample: the time of a call just made on the one copy (the check's),
     which then is both the warm-up and the first sample (a first call is the slowest: the minimum is
-    not lowered by it).
+    not lowered by it), followed by at least one more: a first call may include one-time work, such
+    as oneDNN generating its kernels for a new shape (an int4 "dequant bf16" call with GELU at 64 rows
+    took 129 ms the first time and 3.9 ms after).
 
     The minimum, not the median: other work on the machine only ever adds time, so the fastest repeat
     is the best estimate of the kernel's own cost. Repeats stop early once they take long, after two
     when both are 3x slower than the best path so far (it cannot win; one sample may be a spike), and
-    after one that took LONG_SAMPLE_S or more: a scheduler tick (4-8 ms here) moves such a call by a few
-    percent, and the lm_head's 512-row calls take 0.1-0.3 s each (a second sample of each path cost a
-    float32 plan ~1 s).
+    after one timed here that took LONG_SAMPLE_S or more: a scheduler tick (4-8 ms here) moves such a
+    call by a few percent, and a second sample of each long path costs seconds.
     """
     unwrapped = [_unwrap(c) for c in copies]
     for t in unwrapped if first_sample is None else ():  # oneDNN primitive caches, first use of each copy
         path(x, t, b, activation)
     samples = [] if first_sample is None else [first_sample]
-    spent = sum(samples)
-    while len(samples) < REPEATS and (len(samples) < 2 or spent < 0.05) and not (samples and spent >= LONG_SAMPLE_S):
+    spent = 0.0  # in the samples timed here
+    while len(samples) < REPEATS and (len(samples) < 2 or spent < 0.05) and spent < LONG_SAMPLE_S:
         start = time.perf_counter()
         for t in unwrapped:
             path(x, t, b, activation)
