@@ -270,8 +270,11 @@ def test_choice_keeps_no_format_much_slower_at_decode():
     timings = {"a": {"p": {"decode": 10.0, "batch": 50.0, "short": 60.0, "prefill": 100.0, "long": 400.0}},
                "b": {"p": {"decode": 11.0, "batch": 20.0, "short": 50.0, "prefill": 90.0, "long": 380.0}}}
     assert kernels._choose(timings, {}).format == "a"
+    assert kernels._why_not(kernels._choose(timings, {})) == ["not kept: b, 1.10x the fastest decode"]
     timings["b"]["p"]["decode"] = 10.4  # within DECODE_SLACK: the sum decides
     assert kernels._choose(timings, {}).format == "b"
+    assert kernels._why_not(kernels._choose(timings, {})) == [
+        "not kept: a, within 5% at decode (0.96x b's) but further from the best of the other regimes"]
 
 
 def test_a_regime_is_timed_unless_the_one_before_proves_it_cannot_win():

@@ -200,9 +200,28 @@ class Plan:
                 for path, t in paths.items():
                     lines.append(f"      {fmt:>18} / {path:<13} " + "  ".join(
                         f"{r} {t[r]:8.1f} us" if r in t else f"{r} {'-':>8}   " for r in REGIMES))
+            lines += [f"      {why}" for why in _why_not(c)]
             for what, why in c.rejected.items():
                 lines.append(f"      rejected {what}: {why}")
         return "\n".join(lines)
+
+
+def _why_not(choice: Choice) -> list[str]:
+    """Why each format measured was not kept (the rule: _choose)."""
+    def decode(fmt):
+        return min((t["decode"] for t in choice.timings_us[fmt].values() if "decode" in t), default=math.inf)
+    kept = decode(choice.format)
+    fastest = min(decode(f) for f in choice.timings_us)
+    lines = []
+    for fmt in choice.timings_us:
+        if fmt == choice.format:
+            continue
+        if decode(fmt) > DECODE_SLACK * fastest:
+            lines.append(f"not kept: {fmt}, {decode(fmt) / fastest:.2f}x the fastest decode")
+        else:
+            lines.append(f"not kept: {fmt}, within {100 * (DECODE_SLACK - 1):.0f}% at decode ({decode(fmt) / kept:.2f}x "
+                         f"{choice.format}'s) but further from the best of the other regimes")
+    return lines
 
 
 def shape_key(out_features: int, in_features: int, activation: str | None, precision: str, plan_precision: str) -> str:
