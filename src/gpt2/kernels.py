@@ -23,7 +23,7 @@ at decode (a generated token costs a decode call; a prompt is paid once), the on
 summed, closest to the best of each (time / best time, added over the five regimes).
 
 What keeps measuring to seconds (124M on 2 cores, a fresh cache: bf16 ~2.5 s, float32 ~4-5 s, int8 ~5.5-6.5 s,
-int4 ~3 s on an AMD EPYC; 4-5 s, int8 11 s, int4 2.6 s on an Intel Xeon, whole commands): each regime is
+int4 ~3 s on an AMD EPYC; 3.6-3.9 s, int8 9.4 s, int4 2.5 s on an Intel Xeon, whole commands): each regime is
 measured across every format before the next, formats slower at decode stop there, and a path that
 provably cannot win in its format is skipped (_may_win); a path two formats share on the same tensors is measured once
 (WeightFormat.same_weights_as); paths that dequantize the whole weight per call are timed only at 64,
