@@ -275,6 +275,8 @@ def test_choice_keeps_no_format_much_slower_at_decode():
     assert kernels._choose(timings, {}).format == "b"
     assert kernels._why_not(kernels._choose(timings, {})) == [
         "not kept: a, within 5% at decode (0.96x b's) but further from the best of the other regimes"]
+    fixed = kernels.plan_for(tiny_model(), "int8", device_type="cuda")  # nothing measured off the CPU
+    assert fixed.source == "fixed" and "not kept" not in fixed.describe()
 
 
 def test_a_regime_is_timed_unless_the_one_before_proves_it_cannot_win():

@@ -22,11 +22,11 @@ Per format, each regime takes its fastest path. The format kept is, among those 
 at decode (a generated token costs a decode call; a prompt is paid once), the one whose regimes are,
 summed, closest to the best of each (time / best time, added over the five regimes).
 
-What keeps measuring to seconds (124M on 2 cores, a fresh cache: bf16 ~2.5 s, float32 ~4-5 s, int8 ~5.5-6.5 s,
-int4 ~3 s on an AMD EPYC; 3.6-3.9 s, int8 9.4 s, int4 2.5 s on an Intel Xeon, whole commands): each regime is
-measured across every format before the next, formats slower at decode stop there, and a path that
-provably cannot win in its format is skipped (_may_win); a path two formats share on the same tensors is measured once
-(WeightFormat.same_weights_as); paths that dequantize the whole weight per call are timed only at 64,
+What keeps measuring to seconds (124M on 2 cores, a fresh cache: bf16 ~2.5 s, float32 ~4-5 s, int8
+~5.5-6.5 s, int4 ~3 s on an AMD EPYC; float32 and bf16 3.6-3.9 s, int8 9.4 s, int4 2.5 s on an Intel
+Xeon, whole commands): each regime is measured across every format before the next, formats slower at
+decode stop there, and a path that provably cannot win in its format is skipped (_may_win); a path two
+formats share on the same tensors is measured once (WeightFormat.same_weights_as); paths that dequantize the whole weight per call are timed only at 64,
 128 and 512 rows; a layer wider than WIDE_OUTPUTS (the lm_head) times those three regimes on its leading
 outputs and scales the times by its width; checks compare the edges of long calls and wide layers
 against one float64 reference per distinct weight, and at 64, 128 and 512 rows the check's call is the
@@ -207,7 +207,10 @@ class Plan:
 
 
 def _why_not(choice: Choice) -> list[str]:
-    """Why each format measured was not kept (the rule: _choose)."""
+    """Why each format measured was not kept (the rule: _choose); nothing for a plan not measured."""
+    if not choice.timings_us:
+        return []
+
     def decode(fmt):
         return min((t["decode"] for t in choice.timings_us[fmt].values() if "decode" in t), default=math.inf)
     kept = decode(choice.format)
