@@ -63,8 +63,8 @@ CACHE_VERSION = 8  # 2: decode copies own their storage (version 1 timed float32
                    # (effective_cache_bytes), not 2x what sysfs says (480 MiB on a Xeon VM: ~30 s to measure);
                    # the format is chosen decode first (_choose); the check's first call is never the
                    # only sample (_time_path)
-# The files cached_measurement keeps (training.json, lm_head.json, cpu_cache.json) carry their own version: a change
-# to the kernel plans above leaves them valid.
+# The files cached_measurement keeps (training.json, lm_head.json, cpu_cache.json) carry their own version:
+# a change to the kernel plans above leaves them valid.
 MEASUREMENT_CACHE_VERSION = 5
 ROWS = {"decode": 1, "batch": 8, "short": 64, "prefill": 128, "long": 512}  # the rows each regime is timed at
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2 ** -7, "int8": 2 ** -7, "int4": 2 ** -7}  # relative, see _check
