@@ -135,19 +135,16 @@ def effective_cache_bytes() -> int:
     return int(result["bytes"])
 
 
-def _read_rate(nbytes: int) -> float:
-    """Bytes per second of a sum over an nbytes buffer read again (one warm-up pass, best of 3)."""
+def _read_rate(nbytes: int, repeats: int = 3) -> float:
+    """Bytes per second of a sum over an nbytes buffer read again (one warm-up pass, best of `repeats`)."""
     x = torch.ones(nbytes // 4)
     x.sum()
-    return nbytes / min(_timed(x.sum) for _ in range(3))
+    return nbytes / min(_timed(x.sum) for _ in range(repeats))
 
 
 def memory_bandwidth_gbs(megabytes: int = 512) -> float:
     """Read bandwidth of a plain sum over a buffer far larger than the caches, in GB/s (best of 5)."""
-    x = torch.ones(megabytes * 1024 ** 2 // 4)
-    x.sum()
-    best = min(_timed(x.sum) for _ in range(5))
-    return x.numel() * 4 / best / 1e9
+    return _read_rate(megabytes * 1024 ** 2, repeats=5) / 1e9
 
 
 def machine_key() -> dict:
@@ -211,10 +208,12 @@ def _why_not(choice: Choice) -> list[str]:
     if not choice.timings_us:
         return []
 
+    times = _decode_times(choice.timings_us)
+
     def decode(fmt):
-        return min((t["decode"] for t in choice.timings_us[fmt].values() if "decode" in t), default=math.inf)
+        return times.get(fmt, math.inf)
     kept = decode(choice.format)
-    fastest = min(decode(f) for f in choice.timings_us)
+    fastest = min(times.values(), default=math.inf)
     lines = []
     for fmt in choice.timings_us:
         if fmt == choice.format:
@@ -600,10 +599,15 @@ def _time_path(path, copies: list[dict], b, activation, x, best_so_far: float = 
 DECODE_SLACK = 1.05
 
 
+def _decode_times(timings: dict) -> dict[str, float]:
+    """Each format's fastest decode time (formats with no decode path timed are left out)."""
+    return {f: min(t["decode"] for t in paths.values() if "decode" in t)
+            for f, paths in timings.items() if any("decode" in t for t in paths.values())}
+
+
 def _fast_at_decode(timings: dict) -> set[str]:
     """The formats whose fastest decode path is within DECODE_SLACK of the fastest of all."""
-    decode = {f: min(t["decode"] for t in paths.values() if "decode" in t)
-              for f, paths in timings.items() if any("decode" in t for t in paths.values())}
+    decode = _decode_times(timings)
     return {f for f, t in decode.items() if t <= DECODE_SLACK * min(decode.values())}
 
 
