@@ -311,9 +311,9 @@ def compile_options(device_type: str) -> dict:
     of the graph, at its shape, as the library call the eager path makes (oneDNN, MKL, int4pack_mm)
     and as its own C++ GEMM template (AMX or AVX-512 micro-kernels, the weight packed its own way),
     and keeps the faster. Measured on an Intel Xeon with AMX (BENCHMARKS.md): bf16 decode 70 -> 83
-    tok/s, int4 at batch 8 494 -> 581; each batch size's graph then takes ~15 s longer to build. Only
-    the CPP and ATen backends: Triton's are for GPUs, where this stays off (their autotuning would
-    take minutes, and their library GEMMs are not memory-bound in the same way).
+    tok/s, int4 at batch 8 494 -> 581; each batch size's graph then takes 15-27 s longer to build
+    for GPT-2 124M on 2 cores. Only the CPP and ATen backends (Triton's are GPU kernels). On a GPU it
+    stays off: autotuning Triton GEMMs takes minutes, and it has not been measured there.
     """
     options = {"freezing": True}
     if device_type == "cpu":
