@@ -171,6 +171,26 @@ def test_every_path_matches_its_reference(fmt, activation):
             assert excess <= 1e-6, f"{fmt.name}/{name} at {rows} rows: error exceeds the bound by {excess}"
 
 
+def test_int4_dequantized_in_blocks_of_rows_equals_the_whole(monkeypatch):
+    """int4pack's "dequant bf16" makes DEQUANT_BLOCK weights bf16 per GEMM call (a large weight whole
+    page-faults each call). Three blocks of 64 rows compute what one block over the whole weight does: the same bf16 weights, bias and GELU; the two differ only by the
+    GEMM's order of summation, within bf16's rounding of each output."""
+    from gpt2 import quantize
+    torch.manual_seed(0)
+    N, K = 192, 64  # read in 3 blocks of 64 rows (a width that is not a multiple of 64 rejects the path)
+    w, b = torch.randn(N, K) * 0.1, (torch.randn(N) * 0.1).to(torch.bfloat16)
+    fmt = format_named("int4", "int4pack")
+    t = {k: getattr(v, "obj", v) for k, v in fmt.pack(w, b.float()).items()}
+    x = torch.randn(300, K).to(torch.bfloat16)
+    for activation in (None, "gelu_tanh"):
+        whole = fmt.paths["dequant bf16"](x, t, b, activation)
+        monkeypatch.setattr(quantize, "DEQUANT_BLOCK", 64 * K)
+        blocks = fmt.paths["dequant bf16"](x, t, b, activation)
+        monkeypatch.undo()
+        assert blocks.shape == whole.shape == (300, N)
+        torch.testing.assert_close(blocks.float(), whole.float(), rtol=2 ** -7, atol=1e-3)
+
+
 def test_int4_pads_an_output_width_that_is_not_a_multiple_of_16():
     fmt = next(f for f in formats_for("int4") if f.name == "int4pack")
     w = torch.randn(50, 64)

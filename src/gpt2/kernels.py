@@ -54,7 +54,7 @@ from gpt2.quantize import REGIMES, WeightFormat, _Packed, formats_for, kernel_dt
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 8  # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
+CACHE_VERSION = 9  # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
                    # 4: the bf16 oneDNN format keeps only its packed weight (no float32-GEMM path);
                    # 5: entries keyed by the layer's own precision (int4 and int8 plans share the int8 lm_head);
                    # 6: int4's "dequant bf16" writes a (K, N) weight and fuses bias and GELU; paths cast their
@@ -62,7 +62,7 @@ CACHE_VERSION = 8  # 2: decode copies own their storage (version 1 timed float32
                    # 7: "short" (33-127 rows, timed at 64); 8: decode's copies span 2x the measured cache
                    # (effective_cache_bytes), not 2x what sysfs says (480 MiB on a Xeon VM: ~30 s to measure);
                    # the format is chosen decode first (_choose); the check's first call is never the
-                   # only sample (_time_path)
+                   # only sample (_time_path); 9: int4's "dequant bf16" works in blocks of DEQUANT_BLOCK weights
 # The files cached_measurement keeps (training.json, lm_head.json, cpu_cache.json) carry their own version:
 # a change to the kernel plans above leaves them valid.
 MEASUREMENT_CACHE_VERSION = 5

@@ -216,14 +216,29 @@ def int4pack_dequantize(packed: torch.Tensor, scales_zeros: torch.Tensor) -> tor
     return w.view(N // 64, K, 64).permute(1, 0, 2).reshape(K, N).t()  # (N, K), strides (1, N)
 
 
+# Weights _int4pack_dequant makes bf16 per GEMM call: 8 MB, so 124M's and 355M's weights stay whole.
+# Dequantized whole, a 6400x1600 weight (gpt2-xl's c_fc) has intermediates of 10-20 MB, fresh allocations
+# that page-fault on every call: 28-34 ms a call at any row count, against 12-18 ms in blocks of this
+# size (Intel Xeon, BENCHMARKS.md).
+DEQUANT_BLOCK = 1 << 22
+
+
 def _int4pack_dequant(x, t, bias, activation):
-    # Long prefills: one pass over the weight to make it bf16, then oneDNN's bf16 GEMM with the bias and
-    # GELU fused, which for hundreds of rows runs faster than the int4 kernel's own (measured by kernels.py).
-    w = int4pack_dequantize(t["int4pack"], t["scales_zeros_padded"])[: t["out_features"]]  # padding rows dropped
+    # Long prefills: the weight made bf16 once per call, a block of output rows at a time, each block
+    # multiplied by oneDNN's bf16 GEMM with the bias and GELU fused; for hundreds of rows this runs
+    # faster than the int4 kernel's own (measured by kernels.py).
+    packed, scales_zeros, n_out = t["int4pack"], t["scales_zeros_padded"], t["out_features"]
+    x = x.to(torch.bfloat16)
     b = None if bias is None else bias.to(torch.bfloat16)
-    if activation is None:
-        return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), w, b, "none", [], "")
-    return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), w, b, "gelu", [], "tanh")  # fused post-op
+    post_op = ("none", "") if activation is None else ("gelu", "tanh")
+    rows = max(64, DEQUANT_BLOCK // x.size(1) // 64 * 64)  # whole blocks of the packing's 64 rows
+    ys = []
+    for start in range(0, n_out, rows):
+        stop = min(start + rows, n_out)
+        w = int4pack_dequantize(packed[start:start + rows], scales_zeros[:, start:start + rows])
+        ys.append(torch.ops.mkldnn._linear_pointwise(x, w[: stop - start], None if b is None else b[start:stop],
+                                                     post_op[0], [], post_op[1]))  # padding rows dropped
+    return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
 
 
 def _int4_dequant(x, t, bias, activation):
