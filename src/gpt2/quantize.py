@@ -24,8 +24,8 @@ functions (x (M, K), tensors) -> y (M, N). Every path of a format computes with 
               is first scaled to max |x| = 1, "u8s8 per row")
   int4      per group of 32 along K, w = (q - 8) * s + z (asymmetric, PyTorch's tinygemm convention):
               _weight_int4pack_mm_for_cpu (bf16 activations) on CPU, or for long prefills its packed
-              weight dequantized to bf16 once per call for a bf16 GEMM; elsewhere the nibbles are
-              dequantized for a bf16 GEMM
+              weight dequantized to bf16 once per call, a block of rows at a time, for bf16 GEMMs;
+              elsewhere the nibbles are dequantized for a bf16 GEMM
 
 The lm_head is quantized too (its own copy; wte stays float32 for the lookup); an int4 model keeps it
 at int8 (HEAD_PRECISION). Activations around the linears stay float32 at every precision (kernel_dtype).
