@@ -173,8 +173,9 @@ def test_every_path_matches_its_reference(fmt, activation):
 
 def test_int4_dequantized_in_blocks_of_rows_equals_the_whole(monkeypatch):
     """int4pack's "dequant bf16" makes DEQUANT_BLOCK weights bf16 per GEMM call (a large weight whole
-    page-faults each call). Three blocks of 64 rows compute what one block over the whole weight does: the same bf16 weights, bias and GELU; the two differ only by the
-    GEMM's order of summation, within bf16's rounding of each output."""
+    page-faults each call). Three blocks of 64 rows compute what one block over the whole weight does:
+    the same bf16 weights, bias and GELU; the two differ only by the GEMM's order of summation, within
+    bf16's rounding of each output."""
     from gpt2 import quantize
     torch.manual_seed(0)
     N, K = 192, 64  # read in 3 blocks of 64 rows (a width that is not a multiple of 64 rejects the path)
