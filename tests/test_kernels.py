@@ -518,6 +518,25 @@ def compiled_and_eager_logits(model, ids: torch.Tensor, prompt_length: int) -> t
 
 
 @pytest.mark.slow
+def test_compiled_decode_of_a_second_model_of_the_same_shapes_uses_its_own_weights(tmp_path, monkeypatch):
+    """Inductor's on-disk graph cache keyed a frozen graph by its shapes and kept the int4 constants it
+    derived from the first model by value: the second model decoded with the first one's weights
+    (engine.weights_fingerprint_pass). A fresh cache directory, so the first compile writes the entry."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    from torch._dynamo.utils import counters
+    ids = torch.tensor([PROMPTS[0] + PROMPTS[2]])  # (1, 11)
+    hits = []
+    for seed in (1, 2, 1):  # the third: model 1's weights again, in a model of its own, reuse the entry
+        model = apply_plan(tiny_model(seed), kernels.plan_for(tiny_model(), "int4"))
+        before = counters["inductor"]["fxgraph_cache_hit"]
+        compiled, eager = compiled_and_eager_logits(model, ids, prompt_length=4)
+        hits.append(counters["inductor"]["fxgraph_cache_hit"] - before)
+        difference = ((compiled - eager).abs().max() / eager.abs().max()).item()
+        assert difference <= 2 * kernels.TOLERANCE["int4"], f"model {seed}: {difference:.1e}"
+    assert hits == [0, 0, 1]
+
+
+@pytest.mark.slow
 def test_compiled_decode_of_every_format_equals_eager():
     """Every format of every precision and each of its decode paths, forced on every linear (the
     measured plan differs from run to run, and each must compile: MKL-packed weights, oneDNN's, the

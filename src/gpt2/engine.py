@@ -37,10 +37,13 @@ Stop strings are text, so they are matched at the edges (the CLI, the server) wi
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import time
 import types
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -303,6 +306,60 @@ def _inductor_config():
     return torch._inductor.config
 
 
+def weights_fingerprint_pass(model):
+    """A graph pass that does nothing, so that Inductor's on-disk graph cache tells models apart.
+
+    With freezing, the FX graph cache keys a graph by its code and its weights' shapes, and a cache
+    entry keeps the constants Inductor derived from the weights while compiling (the C++ GEMM
+    template's packed weights, int4's folded scales) by value. A second model of the same shapes
+    then hit that entry and decoded with the first model's weights (pytorch/pytorch#143808 stores
+    derived constants this way). Inductor adds a custom pass's uuid() to the key: this one's is a
+    hash of every weight the model holds (weights_digest), so a cached graph serves the same weights only.
+    """
+    from torch._inductor.custom_graph_pass import CustomGraphPass  # ~1 s to import: compiling pays it
+
+    class WeightsFingerprint(CustomGraphPass):
+        def __init__(self, digest: str):
+            self.digest = digest
+
+        def __call__(self, graph) -> None:
+            pass
+
+        def uuid(self) -> str:
+            return self.digest
+
+    return WeightsFingerprint(weights_digest(model))
+
+
+_weights_digests: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> weights_digest
+
+
+def weights_digest(model) -> str:
+    """sha256 over the model's parameters and buffers (names, dtypes, shapes, bytes), once a model.
+
+    A oneDNN-packed weight is hashed in its plain layout. Packed engine objects (int8's u8s8 weights)
+    are not tensors: they are made from the q and scales buffers beside them, which are hashed.
+    hashlib lets go of the GIL, so tensors are hashed on every core: 124M float32 (1.3 GB with its
+    MKL-packed copies) in about 1 s on 2 cores.
+    """
+    digest = _weights_digests.get(model)
+    if digest is None:
+        tensors = dict(model.named_parameters(remove_duplicate=False))
+        tensors.update(model.named_buffers(remove_duplicate=False))
+
+        def describe(item) -> str:
+            name, t = item
+            t = (t.to_dense() if t.is_mkldnn else t).detach().cpu().contiguous()
+            data = t.view(-1).view(torch.uint8).numpy().data if t.numel() else b""
+            return f"{name}:{t.dtype}:{tuple(t.shape)}:{hashlib.sha256(data).hexdigest()};"
+
+        items = sorted((name, t) for name, t in tensors.items() if t is not None)
+        with ThreadPoolExecutor(os.cpu_count()) as pool:
+            described = "".join(pool.map(describe, items))
+        digest = _weights_digests[model] = hashlib.sha256(described.encode()).hexdigest()
+    return digest
+
+
 def compile_options(device_type: str) -> dict:
     """The Inductor settings a compiled decode step is built under.
 
@@ -347,7 +404,9 @@ class StaticDecode:
         torch._dynamo.mark_dynamic(keys, 1)
         for layer_cache in cache.k + cache.v:
             torch._dynamo.mark_dynamic(layer_cache, 2)
-        with _inductor_config().patch(compile_options(keys.device.type)):
+        options = compile_options(keys.device.type)
+        options["post_grad_custom_post_pass"] = weights_fingerprint_pass(self.model)  # the cache key names the weights
+        with _inductor_config().patch(options):
             return self.fn(*args)
 
     def __call__(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:

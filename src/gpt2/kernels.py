@@ -54,7 +54,7 @@ from gpt2.quantize import REGIMES, WeightFormat, _Packed, formats_for, kernel_dt
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 9  # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
+CACHE_VERSION = 10  # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
                    # 4: the bf16 oneDNN format keeps only its packed weight (no float32-GEMM path);
                    # 5: entries keyed by the layer's own precision (int4 and int8 plans share the int8 lm_head);
                    # 6: int4's "dequant bf16" writes a (K, N) weight and fuses bias and GELU; paths cast their
@@ -62,12 +62,14 @@ CACHE_VERSION = 9  # 2: decode copies own their storage (version 1 timed float32
                    # 7: "short" (33-127 rows, timed at 64); 8: decode's copies span 2x the measured cache
                    # (effective_cache_bytes), not 2x what sysfs says (480 MiB on a Xeon VM: ~30 s to measure);
                    # the format is chosen decode first (_choose); the check's first call is never the
-                   # only sample (_time_path); 9: int4's "dequant bf16" works in blocks of DEQUANT_BLOCK weights
+                   # only sample (_time_path); 9: int4's "dequant bf16" works in blocks of DEQUANT_BLOCK weights;
+                   # 10: the decode span counts a copy as the weight at its precision's width (_copies)
 # The files cached_measurement keeps (training.json, lm_head.json, cpu_cache.json) carry their own version:
 # a change to the kernel plans above leaves them valid.
 MEASUREMENT_CACHE_VERSION = 5
 ROWS = {"decode": 1, "batch": 8, "short": 64, "prefill": 128, "long": 512}  # the rows each regime is timed at
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2 ** -7, "int8": 2 ** -7, "int4": 2 ** -7}  # relative, see _check
+WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.5}  # per weight, as a decode call reads it
 REPEATS = 5
 LONG_SAMPLE_S = 0.1  # a call this long is timed once (_time_path)
 FEATURE_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile")
@@ -433,8 +435,13 @@ def _candidates(precision: str, w: torch.Tensor, bias: torch.Tensor, activation:
 def _copies(fmt, w, bias, tensors) -> list[dict]:
     """Enough packed copies of one weight to span twice the cache this process gets, the first size that
     effective_cache_bytes found read at memory speed (decode reads memory):
-    each copy is read again only after the others have pushed it out, as a model's weights are."""
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor))
+    each copy is read again only after the others have pushed it out, as a model's weights are.
+    A copy's size is the weight at its precision's width (WEIGHT_BYTES), what a decode call reads: the
+    tensors' own sizes mislead. MKL's format keeps the plain weight beside the packed one and reads only
+    the packed one, whose tensor claims 2.6x the weight's bytes: 8 copies then spanned under the cache,
+    and MKL timed 154 us for 2304x768 float32 (47 GB/s, on a Xeon whose memory reads 20-28), 300 us
+    past it, and the same in a model's decode as a plain F.linear."""
+    nbytes = w.numel() * WEIGHT_BYTES[fmt.precision]
     n = max(1, min(64, math.ceil(2 * effective_cache_bytes() / max(nbytes, 1))))
     # Each copy owns its storage: a format that keeps the weight as it is (float32 plain) would otherwise
     # hand back the same storage every time, which then stays in cache and times as ~4x faster. Plain
