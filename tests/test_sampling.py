@@ -261,3 +261,16 @@ def test_draw_gives_each_row_its_own_generator_and_reproduces_with_a_seed():
     alone = torch.cat([draw(probs[i:i + 1], torch.Generator().manual_seed(s)) for i, s in enumerate((7, 8, 9))])
     assert torch.equal(together, alone)
     assert torch.equal(draw(probs, torch.Generator().manual_seed(3)), draw(probs, torch.Generator().manual_seed(3)))
+
+
+def test_greedy_is_argmax_first_on_ties_and_nan():
+    """sampling.greedy is max().indices for speed; it must pick what argmax picks: the first of equal
+    logits, and a NaN over any number (random small integers make ties in every row)."""
+    from gpt2.sampling import greedy
+    logits = torch.randint(0, 4, (64, GPT2_VOCAB_SIZE)).float()
+    logits[3, 500] = float("nan")
+    logits[7] = 0.0  # every entry tied
+    expected = logits.argmax(dim=-1)
+    assert expected[3] == 500 and expected[7] == 0
+    assert torch.equal(greedy(logits), expected)
+    assert torch.equal(greedy(logits.view(8, 8, -1)), logits.view(8, 8, -1).argmax(dim=-1))  # (B, k + 1, V)

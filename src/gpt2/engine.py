@@ -51,7 +51,7 @@ import torch
 from gpt2.config import GPT2_EOT
 from gpt2.errors import ConfigError, ContextLengthError
 from gpt2.kv_cache import KVCache
-from gpt2.sampling import SamplingConfig, SamplingState, accept_drafts, draw, make_generators, next_tokens
+from gpt2.sampling import SamplingConfig, SamplingState, accept_drafts, draw, greedy, make_generators, next_tokens
 
 
 
@@ -682,7 +682,7 @@ class Speculation:
         for i in range(k):
             logits = state.process(self._draft_logits(ids), self.sampling)  # (B, V)
             if probs is None:
-                drafts[:, i] = logits.argmax(dim=-1)
+                drafts[:, i] = greedy(logits)
             else:
                 probs[:, i] = logits.softmax(dim=-1)
                 drafts[:, i] = draw(probs[:, i], self.generators)
