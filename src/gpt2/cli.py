@@ -368,8 +368,9 @@ def add_generate_parser(sub):
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step (with --draft: the draft's), at any --dtype (the first "
-                        "step compiles, its GEMMs autotuned on a CPU: 20-50 s for GPT-2 124M on 2 cores; then "
-                        "decode runs 1.2-1.6x faster: BENCHMARKS.md)")
+                        "step compiles, its GEMMs autotuned on a CPU: 20-50 s for GPT-2 124M on 2 cores, about 12 s "
+                        "for int4 and int8 once Inductor has cached the graph; then decode runs 1.2-1.6x "
+                        "faster: BENCHMARKS.md)")
     p.add_argument("--draft", default=None,
                    help="speculative decoding: a smaller model with the same vocabulary (loaded at --draft-dtype), "
                         "or self:int8 / self:int4 (this model's weights, quantized)")
