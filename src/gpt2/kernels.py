@@ -54,7 +54,7 @@ from gpt2.quantize import REGIMES, WeightFormat, _Packed, formats_for, kernel_dt
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 10  # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
+CACHE_VERSION = 10 # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
                    # 4: the bf16 oneDNN format keeps only its packed weight (no float32-GEMM path);
                    # 5: entries keyed by the layer's own precision (int4 and int8 plans share the int8 lm_head);
                    # 6: int4's "dequant bf16" writes a (K, N) weight and fuses bias and GELU; paths cast their
