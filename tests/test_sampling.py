@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from gpt2.config import GPT2_VOCAB_SIZE
-from gpt2.sampling import (SamplingConfig, apply_repetition_penalty, min_p_filter, process_logits, top_k_filter,
-                           top_p_filter)
+from gpt2.sampling import (SamplingConfig, apply_repetition_penalty, greedy, min_p_filter, process_logits,
+                           top_k_filter, top_p_filter)
 
 transformers = pytest.importorskip("transformers")
 from transformers import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,  # noqa: E402
@@ -266,7 +266,6 @@ def test_draw_gives_each_row_its_own_generator_and_reproduces_with_a_seed():
 def test_greedy_is_argmax_first_on_ties_and_nan():
     """sampling.greedy is max().indices for speed; it must pick what argmax picks: the first of equal
     logits, and a NaN over any number (random small integers make ties in every row)."""
-    from gpt2.sampling import greedy
     logits = torch.randint(0, 4, (64, GPT2_VOCAB_SIZE)).float()
     logits[3, 500] = float("nan")
     logits[7] = 0.0  # every entry tied
