@@ -300,6 +300,60 @@ def test_choice_keeps_no_format_much_slower_at_decode():
     assert fixed.source == "fixed" and "not kept" not in fixed.describe()
 
 
+def test_a_combined_format_is_kept_where_its_second_engine_gains_enough():
+    """int8's two-engine format holds fbgemm's and oneDNN's packings of one weight: kept where oneDNN's
+    kernel makes some regime COMBINED_GAIN faster than fbgemm's format alone (each regime then takes the
+    faster engine), not for less: it costs one more packed copy of the weight."""
+    combined = format_named("int8", "dynamic fbgemm+onednn")
+    fbgemm = {"u8s8 per row": {"decode": 10.0, "batch": 30.0, "short": 60.0, "prefill": 100.0, "long": 400.0}}
+    for onednn_batch, kept in [(20.0, True), (25.0, False)]:  # 1.5x: kept; 1.2x: not
+        timings = {"dynamic fbgemm": fbgemm,
+                   "dynamic onednn": {"u8s8 per row": {"decode": 13.0, "batch": onednn_batch}}}  # 1.3x slower at 1 row
+        choice = kernels._choose_combined(kernels._choose(timings, {}), [combined])
+        if kept:
+            assert choice.format == combined.name
+            assert choice.paths == {"decode": "u8s8 per row", "batch": "onednn u8s8 per row", "short": "u8s8 per row",
+                                    "prefill": "u8s8 per row", "long": "u8s8 per row"}
+            assert kernels._why_not(choice) == [
+                "kept: dynamic fbgemm+onednn, 1.50x dynamic fbgemm's speed at batch (at least 1.25x for one "
+                "more packed copy of the weight)"]
+        else:
+            assert choice.format == "dynamic fbgemm"
+            assert kernels._why_not(choice) == ["not kept: dynamic onednn, 1.30x the fastest decode"]
+
+
+def test_the_second_engine_is_timed_at_batch_on_the_paths_a_combined_format_takes(monkeypatch):
+    """oneDNN's int8 format, 1.3x slower at 1 row, would stop after decode; as a part of the two-engine
+    format its per-row path is also timed at 8 rows (and nothing else of it), so the lm_head's faster
+    8-row kernel is found. The times are set here (a fake clock per format and rows); the checks are real."""
+    format_of = {}  # id of a candidate copy's q -> its format (each copy's q is its own clone)
+    real_candidates = kernels._candidates
+
+    def candidates(*args, **kwargs):
+        found = real_candidates(*args, **kwargs)
+        format_of.update({id(copy["q"]): c.format.name for c in found for copy in c.copies if "q" in copy})
+        return found
+
+    fake_us = {("dynamic fbgemm", 1): 10.0, ("dynamic fbgemm", 8): 30.0, ("dynamic onednn", 1): 13.0,
+               ("dynamic onednn", 8): 15.0}
+    timed = []
+
+    def fake_time(path, copies, b, activation, x, best_so_far=None, first_sample=None):
+        fmt = format_of[id(copies[0]["q"])]
+        timed.append((fmt, path.__name__, x.size(0)))
+        one_scale = 0.5 if path.__name__ == "_int8_dynamic" else 0.0  # one scale per call: a little slower here
+        return (fake_us.get((fmt, x.size(0)), 40.0 * x.size(0)) + one_scale) / 1e6
+
+    monkeypatch.setattr(kernels, "_candidates", candidates)
+    monkeypatch.setattr(kernels, "_time_path", fake_time)
+    choice = kernels.measure_shape("int8", 96, 64, None)
+    assert choice.format == "dynamic fbgemm+onednn"
+    assert choice.paths["decode"] == "u8s8 per row" and choice.paths["batch"] == "onednn u8s8 per row"
+    # int8pack_mm's decode time is the weight-only format's (the same kernel on the same q): not timed again
+    assert {(path, rows) for fmt, path, rows in timed if fmt == "dynamic onednn"} == {
+        ("_int8_dynamic", 1), ("_int8_dynamic_rows", 1), ("_int8_dynamic_rows", 8)}
+
+
 def test_a_regime_is_timed_unless_the_one_before_proves_it_cannot_win():
     """At k times the rows the best path takes at most k times as long, so only a path more than k times
     the best at the regime before is skipped; a format's first path is always timed, so every format
@@ -420,7 +474,8 @@ def test_int8_formats_build_one_float64_reference(monkeypatch):
                if f.precision == "int8" else f for f in quantize.CPU_FORMATS]
     monkeypatch.setattr(quantize, "CPU_FORMATS", formats)
     choice = kernels.measure_shape("int8", 96, 64, None)
-    assert len(built) == 1 and len(choice.timings_us) == len(formats_for("int8"))
+    measured = [f for f in formats_for("int8") if not f.parts]  # a combined format is measured through its parts
+    assert len(built) == 1 and len(choice.timings_us) == len(measured)
 
 
 def test_an_int4_plan_reuses_the_int8_lm_head_an_int8_plan_measured(monkeypatch):
@@ -561,7 +616,10 @@ def test_compiled_decode_of_every_format_equals_eager():
     of the output: each step's logits are then within twice the precision's kernel tolerance of the
     eager ones (each of the two within one of the exact product), and float32 decodes the same tokens."""
     ids = torch.tensor([PROMPTS[0] + PROMPTS[2] + [77, 150, 33, 9, 260]])  # (1, 16)
-    for fmt, path in [(f, p) for f in CPU_FORMATS if f.available() for p in f.paths if p not in f.many_row_paths]:
+    def parts_kernels(fmt):  # a combined format's paths that are its parts' own: compiled there already
+        return {k for part in fmt.parts for k in format_named(fmt.precision, part).paths.values()}
+    for fmt, path in [(f, p) for f in CPU_FORMATS if f.available() for p in f.paths
+                      if p not in f.many_row_paths and f.paths[p] not in parts_kernels(f)]:
         plan = kernels.plan_for(tiny_model(), fmt.precision)
         plan.choices = {k: c if "@" in k else kernels.Choice(fmt.name, {r: path for r in kernels.REGIMES}, {})
                         for k, c in plan.choices.items()}  # "@": int4's int8 lm_head keeps its own

@@ -20,7 +20,10 @@ and each of its paths is
      bound by FLOPs and use one copy.
 Per format, each regime takes its fastest path. The format kept is, among those within 5% of the fastest
 at decode (a generated token costs a decode call; a prompt is paid once), the one whose regimes are,
-summed, closest to the best of each (time / best time, added over the five regimes).
+summed, closest to the best of each (time / best time, added over the five regimes). A combined format
+(WeightFormat.parts: int8's two u8s8 engines in one layer) is not measured itself: its timings are its
+parts', and it replaces the format kept where it makes some regime COMBINED_GAIN faster (its parts
+slower at decode are then still timed at batch, on the paths it takes from them).
 
 What keeps measuring to seconds (124M on 2 cores, a fresh cache: bf16 ~2.5 s, float32 ~4-5 s, int8
 ~5.5-6.5 s, int4 ~3 s on an AMD EPYC; float32 and bf16 3.6-3.9 s, int8 9.4 s, int4 2.5 s on an Intel
@@ -50,11 +53,12 @@ from pathlib import Path
 import torch
 
 from gpt2.atomic import atomic_write_json
-from gpt2.quantize import REGIMES, WeightFormat, _Packed, formats_for, kernel_dtype, layer_precision, linear_layers
+from gpt2.quantize import (CPU_FORMATS, REGIMES, WeightFormat, _Packed, formats_for, kernel_dtype, layer_precision,
+                           linear_layers)
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 10 # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
+CACHE_VERSION = 11 # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
                    # 4: the bf16 oneDNN format keeps only its packed weight (no float32-GEMM path);
                    # 5: entries keyed by the layer's own precision (int4 and int8 plans share the int8 lm_head);
                    # 6: int4's "dequant bf16" writes a (K, N) weight and fuses bias and GELU; paths cast their
@@ -63,7 +67,8 @@ CACHE_VERSION = 10 # 2: decode copies own their storage (version 1 timed float32
                    # (effective_cache_bytes), not 2x what sysfs says (480 MiB on a Xeon VM: ~30 s to measure);
                    # the format is chosen decode first (_choose); the check's first call is never the
                    # only sample (_time_path); 9: int4's "dequant bf16" works in blocks of DEQUANT_BLOCK weights;
-                   # 10: the decode span counts a copy as the weight at its precision's width (_copies)
+                   # 10: the decode span counts a copy as the weight at its precision's width (_copies);
+                   # 11: int8's two-engine format (WeightFormat.parts; _choose_combined)
 # The files cached_measurement keeps (training.json, lm_head.json, cpu_cache.json) carry their own version:
 # a change to the kernel plans above leaves them valid.
 MEASUREMENT_CACHE_VERSION = 5
@@ -214,11 +219,18 @@ def _why_not(choice: Choice) -> list[str]:
 
     def decode(fmt):
         return times.get(fmt, math.inf)
-    kept = decode(choice.format)
+    combined = next((f for f in CPU_FORMATS if f.name == choice.format and f.parts), None)
+    lines, held = [], set()
+    if combined is not None:  # a combined format: what it gains over the part _choose kept alone
+        alone = Choice(_choose(choice.timings_us, {}).format, {}, choice.timings_us)
+        gain, regime = _combined_gain(combined, alone)
+        held = set(combined.parts)
+        lines.append(f"kept: {choice.format}, {gain:.2f}x {alone.format}'s speed at {regime} (at least "
+                     f"{COMBINED_GAIN}x for one more packed copy of the weight)")
+    kept = min((decode(f) for f in held), default=decode(choice.format))
     fastest = min(times.values(), default=math.inf)
-    lines = []
     for fmt in choice.timings_us:
-        if fmt == choice.format:
+        if fmt == choice.format or fmt in held:
             continue
         if decode(fmt) > DECODE_SLACK * fastest:
             lines.append(f"not kept: {fmt}, {decode(fmt) / fastest:.2f}x the fastest decode")
@@ -360,21 +372,24 @@ def measure_shape(precision: str, out_features: int, in_features: int, activatio
                              cold_copies=False)
     else:
         narrow, narrow_outputs = whole, out_features
+    combined = [f for f in formats_for(precision, "cpu") if f.parts]
     timings = {}  # format -> path -> regime -> us
     for regime in REGIMES:  # decode first: it decides which formats go on (_fast_at_decode)
         cold = regime in COLD_REGIMES
         candidates, scale = (whole, 1.0) if cold else (narrow, out_features / narrow_outputs)
         running = None if regime == "decode" else _fast_at_decode(timings)
+        parts_only = _parts_to_time(combined, running) if regime == "batch" else {}
         for c in candidates:
             fmt = c.format
-            if running is not None and fmt.name not in running:
+            if running is not None and fmt.name not in running and fmt.name not in parts_only:
                 continue
             first = next(iter(fmt.paths))
             own = {fmt.name: timings.get(fmt.name, {})}  # a path competes with its own format's paths
             for name, path in fmt.paths.items():
                 key = f"{fmt.name}/{name}"
                 if (key in rejected or (regime != "decode" and name in fmt.one_row_paths)
-                        or (cold and name in fmt.many_row_paths)):
+                        or (cold and name in fmt.many_row_paths)
+                        or (fmt.name in parts_only and name not in parts_only[fmt.name])):
                     continue
                 times = timings.get(fmt.name, {}).get(name, {})
                 twin = c.twin.name if c.twin is not None and c.twin.paths.get(name) is path else None
@@ -401,7 +416,19 @@ def measure_shape(precision: str, out_features: int, in_features: int, activatio
     timings = {f: paths for f, paths in timings.items() if paths}
     if not timings:
         raise RuntimeError(f"no {precision} kernel passed its check for {out_features}x{in_features}: {rejected}")
-    return _choose(timings, rejected)
+    return _choose_combined(_choose(timings, rejected), combined)
+
+
+def _parts_to_time(combined: list[WeightFormat], running: set[str] | None) -> dict[str, set[str]]:
+    """Formats slower at decode that a combined format (WeightFormat.parts) holds beside one that goes
+    on: timed at batch too, on the paths the combined format takes from them (its reason to exist)."""
+    extra = {}
+    for fmt in combined if running is not None else ():
+        if running & set(fmt.parts):
+            for part, names in fmt.parts.items():
+                if part not in running:
+                    extra.setdefault(part, set()).update(names)
+    return extra
 
 
 def _candidates(precision: str, w: torch.Tensor, bias: torch.Tensor, activation: str | None, rejected: dict,
@@ -412,6 +439,8 @@ def _candidates(precision: str, w: torch.Tensor, bias: torch.Tensor, activation:
     b = bias.to(dtype)
     candidates = []
     for fmt in formats_for(precision, "cpu"):
+        if fmt.parts:  # measured through its parts
+            continue
         twin = next((c for c in candidates if c.format.name == fmt.same_weights_as), None)
         try:
             if twin is not None and fmt.repack is not None:  # the twin's quantized weight, packed for this format
@@ -618,6 +647,11 @@ def _fast_at_decode(timings: dict) -> set[str]:
     return {f for f, t in decode.items() if t <= DECODE_SLACK * min(decode.values())}
 
 
+def _fastest(paths: dict, regime: str) -> str:
+    """The path (of path -> regime -> us) fastest at the regime."""
+    return min((p for p, t in paths.items() if regime in t), key=lambda p: paths[p][regime])
+
+
 def _choose(timings: dict, rejected: dict) -> Choice:
     """Decode first: a generated token costs one decode call of every layer, while a prompt's prefill is
     paid once (on an Intel Xeon, float32's 8-row oneDNN layout is 1.6x faster at 8 rows but 1.25x slower
@@ -625,15 +659,42 @@ def _choose(timings: dict, rejected: dict) -> Choice:
     regimes are, summed, closest to the best of each (time / best time, over the five regimes) is kept."""
     best = {r: min(t[r] for paths in timings.values() for t in paths.values() if r in t) for r in REGIMES}
 
-    def fastest(fmt: str, regime: str) -> str:
-        return min((p for p, t in timings[fmt].items() if regime in t), key=lambda p: timings[fmt][p][regime])
-
     def score(fmt: str) -> float:
-        return sum(timings[fmt][fastest(fmt, r)][r] / best[r] for r in REGIMES)
+        return sum(timings[fmt][_fastest(timings[fmt], r)][r] / best[r] for r in REGIMES)
 
     covering = [f for f in timings if all(any(r in t for t in timings[f].values()) for r in REGIMES)]
     fast = _fast_at_decode(timings)
     if not covering:
         raise RuntimeError(f"no format has a path for every regime: {timings} {rejected}")
     chosen = min([f for f in covering if f in fast] or covering, key=score)
-    return Choice(chosen, {r: fastest(chosen, r) for r in REGIMES}, timings, rejected)
+    return Choice(chosen, {r: _fastest(timings[chosen], r) for r in REGIMES}, timings, rejected)
+
+
+# A combined format holds one more packed copy of the weight: it is kept where it makes some regime at
+# least this much faster than the format chosen alone.
+COMBINED_GAIN = 1.25
+
+
+def _combined_paths(fmt: WeightFormat, timings: dict) -> dict:
+    """A combined format's path -> regime -> us, read off its parts' timings."""
+    return {name: timings[part][path] for part, names in fmt.parts.items() for path, name in names.items()
+            if path in timings.get(part, {})}
+
+
+def _combined_gain(fmt: WeightFormat, choice: Choice) -> tuple[float, str]:
+    """(how many times faster, at which regime) the combined format is than the choice's format, at the
+    regime where it gains most; it can only gain (the choice's format is one of its parts)."""
+    paths, alone = _combined_paths(fmt, choice.timings_us), choice.timings_us[choice.format]
+    gains = {r: alone[_fastest(alone, r)][r] / paths[_fastest(paths, r)][r] for r in REGIMES}
+    regime = max(gains, key=gains.get)
+    return gains[regime], regime
+
+
+def _choose_combined(choice: Choice, combined: list[WeightFormat]) -> Choice:
+    """The choice, or a combined format holding its format and another, where that gains COMBINED_GAIN
+    at some regime (each regime then takes the faster path of either)."""
+    for fmt in combined:
+        if choice.format in fmt.parts and _combined_gain(fmt, choice)[0] >= COMBINED_GAIN:
+            paths = _combined_paths(fmt, choice.timings_us)
+            return Choice(fmt.name, {r: _fastest(paths, r) for r in REGIMES}, choice.timings_us, choice.rejected)
+    return choice

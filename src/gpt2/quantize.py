@@ -21,7 +21,9 @@ functions (x (M, K), tensors) -> y (M, N). Every path of a format computes with 
               weight-only: _weight_int8pack_mm (bf16 activations), or dequantize + bf16/fp32 GEMM;
               dynamic: fbgemm's / oneDNN's u8s8 GEMM (VNNI) with the activations quantized per token,
               as llama.cpp's Q8_0 does (the kernel takes one scale per call: for several rows each row
-              is first scaled to max |x| = 1, "u8s8 per row")
+              is first scaled to max |x| = 1, "u8s8 per row"); or both engines' packings of one q and
+              s in one layer, each regime taking the faster engine (kernels.py keeps it only where it
+              gains enough for its second packed copy)
   int4      per group of 32 along K, w = (q - 8) * s + z (asymmetric, PyTorch's tinygemm convention):
               _weight_int4pack_mm_for_cpu (bf16 activations) on CPU, or for long prefills its packed
               weight dequantized to bf16 once per call, a block of rows at a time, for bf16 GEMMs;
@@ -147,11 +149,12 @@ def _int8_dequant(dtype):
 _int8_dequant_bf16 = _int8_dequant(torch.bfloat16)  # one function for every int8 format: kernels.py sees the same path
 
 
-def _linear_dynamic(x: torch.Tensor, t: dict) -> torch.Tensor:
-    """fbgemm's / oneDNN's u8s8 GEMM: x (M, K) float32 quantized with one scale, (M, N) float32 out."""
+def _linear_dynamic(x: torch.Tensor, t: dict, packed: str = "packed") -> torch.Tensor:
+    """fbgemm's / oneDNN's u8s8 GEMM: x (M, K) float32 quantized with one scale, (M, N) float32 out.
+    packed: the tensors' key of the engine's packed weight (a two-engine format keeps two)."""
     if torch.compiler.is_compiling():  # Dynamo cannot trace the packed weight, a TorchScript object
-        return linear_dynamic_op(x, t["packed_handle"], t["q"].size(0))
-    return torch.ops.quantized.linear_dynamic(x, t["packed"], False)
+        return linear_dynamic_op(x, t[f"{packed}_handle"], t["q"].size(0))
+    return torch.ops.quantized.linear_dynamic(x, t[packed], False)
 
 
 @torch.library.custom_op("gpt2::linear_dynamic", mutates_args=())
@@ -165,22 +168,30 @@ def _(x, handle, out_features):
     return x.new_empty(x.size(0), out_features)
 
 
-def _int8_dynamic(x, t, bias, activation):
+def _int8_dynamic(x, t, bias, activation, packed="packed"):
     # x is quantized to uint8 per call (one scale for the whole call: kernels.py offers this path for
     # decode only, where a call is one token); the GEMM runs u8 x s8 with int32 accumulation.
-    y = _linear_dynamic(x.float(), t)  # (M, N) float32
+    y = _linear_dynamic(x.float(), t, packed)  # (M, N) float32
     return _act(y if bias is None else y.add_(bias), activation)
 
 
-def _int8_dynamic_rows(x, t, bias, activation):
+def _int8_dynamic_rows(x, t, bias, activation, packed="packed"):
     # Per-token quantization through the same per-call kernel: every row scaled to max |x| = 1 first,
     # so the call's one scale fits each row as well as its own would; the product is scaled back.
     if x.size(0) == 1:  # one row already has its own scale
-        return _int8_dynamic(x, t, bias, activation)
+        return _int8_dynamic(x, t, bias, activation, packed)
     x = x.float()
     row_max = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)  # (M, 1)
-    y = _linear_dynamic(x / row_max, t).mul_(row_max)  # (M, N) float32
+    y = _linear_dynamic(x / row_max, t, packed).mul_(row_max)  # (M, N) float32
     return _act(y if bias is None else y.add_(bias), activation)
+
+
+def _int8_dynamic_onednn(x, t, bias, activation):  # the two-engine format's oneDNN packing
+    return _int8_dynamic(x, t, bias, activation, "packed_onednn")
+
+
+def _int8_dynamic_rows_onednn(x, t, bias, activation):
+    return _int8_dynamic_rows(x, t, bias, activation, "packed_onednn")
 
 
 def _int4pack(x, t, bias, activation):
@@ -293,6 +304,10 @@ class WeightFormat:
     # packed tensors -> a copy with its own storage, without quantizing again (kernels.py's cold copies);
     # None: plain tensors are cloned, anything else is packed again
     repack: Callable[[dict], dict] | None = None
+    # A format holding the tensors of several others, so that each regime can take the path of any:
+    # {part format: {its path: this format's name for it}}. It is not measured itself: kernels.py
+    # reads its timings off its parts' and keeps it only where it gains enough to pay for its memory.
+    parts: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 def _has(namespace, op: str) -> Callable[[], bool]:
@@ -348,6 +363,11 @@ def _repack_int8_engine(engine: str):
 
 def _engine_available(engine: str) -> Callable[[], bool]:
     return lambda: engine in torch.backends.quantized.supported_engines and _has("quantized", "linear_dynamic")()
+
+
+def _pack_int8_both_engines(w, bias):
+    tensors = _pack_int8_engine("fbgemm")(w, bias)
+    return {**tensors, "packed_onednn": _prepack_int8("onednn")(tensors)["packed"]}  # the same q and s
 
 
 def _pack_int4(packed: bool, unpacked: bool):
@@ -423,6 +443,20 @@ CPU_FORMATS: list[WeightFormat] = [
                  many_row_paths=("dequant bf16",),
                  available=_engine_available("onednn"), same_weights_as="weight-only",
                  repack=_repack_int8_engine("onednn")),
+    # Both engines' packings of one q and s: one more packed copy of the weight, for a layer where one
+    # engine is faster at 1 row and the other at several. On an Intel Xeon with AMX, the lm_head's
+    # fbgemm kernel is the faster at 1 row and oneDNN's (AMX-INT8) at 8 rows: 1.7 against 2.3-3.1 ms.
+    WeightFormat("dynamic fbgemm+onednn", "int8", _pack_int8_both_engines, _int8_reference,
+                 {"u8s8 dynamic": _int8_dynamic, "u8s8 per row": _int8_dynamic_rows,
+                  "onednn u8s8 dynamic": _int8_dynamic_onednn, "onednn u8s8 per row": _int8_dynamic_rows_onednn,
+                  "int8pack_mm": _int8pack, "dequant bf16": _int8_dequant_bf16},
+                 dynamic_paths=("u8s8 dynamic", "u8s8 per row", "onednn u8s8 dynamic", "onednn u8s8 per row"),
+                 one_row_paths=("u8s8 dynamic", "onednn u8s8 dynamic"), many_row_paths=("dequant bf16",),
+                 available=lambda: _engine_available("fbgemm")() and _engine_available("onednn")(),
+                 parts={"dynamic fbgemm": {"u8s8 dynamic": "u8s8 dynamic", "u8s8 per row": "u8s8 per row",
+                                           "int8pack_mm": "int8pack_mm", "dequant bf16": "dequant bf16"},
+                        "dynamic onednn": {"u8s8 dynamic": "onednn u8s8 dynamic",
+                                           "u8s8 per row": "onednn u8s8 per row"}}),
     WeightFormat("int4pack", "int4", _pack_int4(packed=True, unpacked=False), _int4_reference,
                  {"int4pack_mm": _int4pack, "dequant bf16": _int4pack_dequant}, many_row_paths=("dequant bf16",),
                  available=_has("aten", "_weight_int4pack_mm_for_cpu")),
