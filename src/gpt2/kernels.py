@@ -26,7 +26,7 @@ parts', and it replaces the format kept where it makes some regime COMBINED_GAIN
 slower at decode are then still timed at batch, on the paths it takes from them).
 
 What keeps measuring to seconds (124M on 2 cores, a fresh cache: bf16 ~2.5 s, float32 ~4-5 s, int8
-~5.5-6.5 s, int4 ~3 s on an AMD EPYC; float32 and bf16 3.6-3.9 s, int8 9.4 s, int4 2.5 s on an Intel
+~5.5-6.5 s, int4 ~3 s on an AMD EPYC; float32 and bf16 3.6-3.9 s, int8 10.4 s, int4 2.5 s on an Intel
 Xeon, whole commands): each regime is measured across every format before the next, formats slower at
 decode stop there, and a path that provably cannot win in its format is skipped (_may_win); a path two
 formats share on the same tensors is measured once (WeightFormat.same_weights_as); paths that dequantize the whole weight per call are timed only at 64,
