@@ -322,6 +322,20 @@ def test_a_combined_format_is_kept_where_its_second_engine_gains_enough():
             assert kernels._why_not(choice) == ["not kept: dynamic onednn, 1.30x the fastest decode"]
 
 
+def test_a_combined_format_takes_every_regime_from_the_part_kept_alone():
+    """Where oneDNN's format is kept (the faster at 1 row) and fbgemm's was timed at 1 and 8 rows only,
+    the combined format still has a path for every regime: oneDNN's own, its int8pack_mm and dequant bf16
+    among them (paths both parts have are one kernel on the same tensors)."""
+    combined = format_named("int8", "dynamic fbgemm+onednn")
+    timings = {"dynamic onednn": {"u8s8 per row": {"decode": 10.0, "batch": 30.0, "short": 60.0},
+                                  "dequant bf16": {"short": 70.0, "prefill": 90.0, "long": 300.0}},
+               "dynamic fbgemm": {"u8s8 per row": {"decode": 13.0, "batch": 15.0}}}
+    choice = kernels._choose_combined(kernels._choose(timings, {}), [combined])
+    assert choice.format == combined.name
+    assert choice.paths == {"decode": "onednn u8s8 per row", "batch": "u8s8 per row", "short": "onednn u8s8 per row",
+                            "prefill": "dequant bf16", "long": "dequant bf16"}
+
+
 def test_the_second_engine_is_timed_at_batch_on_the_paths_a_combined_format_takes(monkeypatch):
     """oneDNN's int8 format, 1.3x slower at 1 row, would stop after decode; as a part of the two-engine
     format its per-row path is also timed at 8 rows (and nothing else of it), so the lm_head's faster

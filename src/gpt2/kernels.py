@@ -426,8 +426,9 @@ def _parts_to_time(combined: list[WeightFormat], running: set[str] | None) -> di
     for fmt in combined if running is not None else ():
         if running & set(fmt.parts):
             for part, names in fmt.parts.items():
-                if part not in running:
-                    extra.setdefault(part, set()).update(names)
+                others = {name for other, its in fmt.parts.items() if other != part for name in its.values()}
+                if part not in running:  # its own paths only: one another part has too is timed there
+                    extra.setdefault(part, set()).update(path for path, name in names.items() if name not in others)
     return extra
 
 
@@ -676,9 +677,14 @@ COMBINED_GAIN = 1.25
 
 
 def _combined_paths(fmt: WeightFormat, timings: dict) -> dict:
-    """A combined format's path -> regime -> us, read off its parts' timings."""
-    return {name: timings[part][path] for part, names in fmt.parts.items() for path, name in names.items()
-            if path in timings.get(part, {})}
+    """A combined format's path -> regime -> us, read off its parts' timings (a path two parts have:
+    each regime's fastest time of the two)."""
+    paths = {}
+    for part, names in fmt.parts.items():
+        for path, name in names.items():
+            for regime, us in timings.get(part, {}).get(path, {}).items():
+                paths.setdefault(name, {})[regime] = min(us, paths.get(name, {}).get(regime, math.inf))
+    return paths
 
 
 def _combined_gain(fmt: WeightFormat, choice: Choice) -> tuple[float, str]:
@@ -694,7 +700,8 @@ def _choose_combined(choice: Choice, combined: list[WeightFormat]) -> Choice:
     """The choice, or a combined format holding its format and another, where that gains COMBINED_GAIN
     at some regime (each regime then takes the faster path of either)."""
     for fmt in combined:
-        if choice.format in fmt.parts and _combined_gain(fmt, choice)[0] >= COMBINED_GAIN:
-            paths = _combined_paths(fmt, choice.timings_us)
+        paths = _combined_paths(fmt, choice.timings_us)
+        covers = all(any(r in t for t in paths.values()) for r in REGIMES)
+        if choice.format in fmt.parts and covers and _combined_gain(fmt, choice)[0] >= COMBINED_GAIN:
             return Choice(fmt.name, {r: _fastest(paths, r) for r in REGIMES}, choice.timings_us, choice.rejected)
     return choice

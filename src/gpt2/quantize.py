@@ -305,8 +305,9 @@ class WeightFormat:
     # None: plain tensors are cloned, anything else is packed again
     repack: Callable[[dict], dict] | None = None
     # A format holding the tensors of several others, so that each regime can take the path of any:
-    # {part format: {its path: this format's name for it}}. It is not measured itself: kernels.py
-    # reads its timings off its parts' and keeps it only where it gains enough to pay for its memory.
+    # {part format: {its path: this format's name for it}} (a name two parts give is the same kernel on
+    # the same tensors). It is not measured itself: kernels.py reads its timings off its parts' and
+    # keeps it only where it gains enough to pay for its memory.
     parts: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
@@ -455,8 +456,8 @@ CPU_FORMATS: list[WeightFormat] = [
                  available=lambda: _engine_available("fbgemm")() and _engine_available("onednn")(),
                  parts={"dynamic fbgemm": {"u8s8 dynamic": "u8s8 dynamic", "u8s8 per row": "u8s8 per row",
                                            "int8pack_mm": "int8pack_mm", "dequant bf16": "dequant bf16"},
-                        "dynamic onednn": {"u8s8 dynamic": "onednn u8s8 dynamic",
-                                           "u8s8 per row": "onednn u8s8 per row"}}),
+                        "dynamic onednn": {"u8s8 dynamic": "onednn u8s8 dynamic", "u8s8 per row": "onednn u8s8 per row",
+                                           "int8pack_mm": "int8pack_mm", "dequant bf16": "dequant bf16"}}),
     WeightFormat("int4pack", "int4", _pack_int4(packed=True, unpacked=False), _int4_reference,
                  {"int4pack_mm": _int4pack, "dequant bf16": _int4pack_dequant}, many_row_paths=("dequant bf16",),
                  available=_has("aten", "_weight_int4pack_mm_for_cpu")),
