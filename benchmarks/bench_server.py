@@ -5,6 +5,7 @@ prefill and the prefix cache against their baselines.
     .venv/bin/python benchmarks/bench_server.py --part load --clients 16 64 --max-tokens 16
     .venv/bin/python benchmarks/bench_server.py --part chunked     # a 900-token prompt while 8 streams decode
     .venv/bin/python benchmarks/bench_server.py --part prefix      # the same 900-token prompt twice
+    .venv/bin/python benchmarks/bench_server.py --part load --clients 8 --max-tokens 64 --dtype int4 --compile
 
 Each part starts `gpt2 serve` on a free loopback port, once per contender, and drives it with streaming
 requests (server-sent events; the arrival time of each event is a token's time):
@@ -134,12 +135,17 @@ def part_load(model: str, args) -> list[str]:
     contenders = [("chunked + prefix cache", [f"--prefill-chunk={args.prefill_chunk}"]),
                   ("whole prompts, no prefix cache", ["--prefill-chunk=0", "--no-prefix-cache"]),
                   ("one at a time (--max-batch 1)", ["--max-batch=1"])]
+    if args.compile:  # the shipped server against itself with --compile
+        contenders = [contenders[0], ("chunked + prefix cache, --compile", [f"--prefill-chunk={args.prefill_chunk}",
+                                                                           "--compile"])]
     lines = [f"{'server':32s} {'clients':>7s} {'tokens':>6s} {'wall s':>7s} {'tok/s':>6s} "
              f"{'TTFT p50':>8s} {'TTFT p99':>8s} {'ITL p50':>8s} {'ITL p99':>8s}"]
     for clients in args.clients:
         prompts = mixed_prompts(clients, seed=clients)
         for name, flags in contenders:
-            with server(model, ["--max-batch", str(args.max_batch), *flags]) as url:
+            with server(model, ["--max-batch", str(args.max_batch), f"--dtype={args.dtype}", *flags]) as url:
+                if "--compile" in flags:  # its graphs (one per batch-row count) compile on first use: untimed
+                    concurrent(url, prompts, args.max_tokens)
                 r = concurrent(url, prompts, args.max_tokens)
             lines.append(f"{name:32s} {clients:7d} {r['tokens']:6d} {r['wall_s']:7.1f} {r['tokens_per_s']:6.1f} "
                          f"{r['ttft_p50']:8.2f} {r['ttft_p99']:8.2f} {r['itl_p50']:8.3f} {r['itl_p99']:8.3f}")
@@ -210,6 +216,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=16, help="new tokens per request in the load part")
     p.add_argument("--max-batch", type=int, default=16, help="the batching servers' --max-batch")
     p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "int8", "int4"], default="float32",
+                   help="the load part's servers' --dtype")
+    p.add_argument("--compile", action="store_true",
+                   help="load part: the shipped server against the same with --compile (whose first run of the "
+                        "load, compiling, is not timed)")
     args = p.parse_args(argv)
 
     import torch

@@ -141,6 +141,51 @@ def test_chunked_prefill_draws_what_engine_generate_draws(model, chunk):
         assert [i for i, _ in top] == ids.tolist() and [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-5)
 
 
+@pytest.mark.slow
+def test_compiled_decode_steps_draw_what_eager_generate_draws(model, monkeypatch):
+    """Scheduler(compile=True): the decode steps run the engine's compiled step over every storage row
+    (a graph per row count: 1, then 4 here, as sequences join and leave). Greedy and seeded sampled
+    sequences of different lengths, joining mid-flight, get engine.generate's eager tokens, and each
+    token's logprob that of one uncached forward (float32: the compiled step's order of summation only)."""
+    specs = {  # name: (prompt length, max tokens, sampling, seed)
+        "first": (5, 30, SamplingConfig(), None),
+        "long": (70, 24, SamplingConfig(temperature=1.0), 3),
+        "mid": (33, 12, SamplingConfig(), None),
+        "late": (9, 20, SamplingConfig(temperature=0.8, top_p=0.9), 8),
+    }
+    from gpt2 import batching
+    checked_rows = []  # the row count of every step whose guards were all checked (a new graph or storage)
+    real = batching.checked_compiled_step
+    monkeypatch.setattr(batching, "checked_compiled_step", lambda m, args: checked_rows.append(args[1].size(0)) or real(m, args))
+    sched = Scheduler(model, max_batch=4, max_queue=8, initial_capacity=16, prefix_cache=False, compile=True)
+    out, entries, seqs = {}, {}, {}
+
+    def on_event(name):
+        record = collect(out, name)
+
+        def emit(ev):
+            record(ev)
+            if ev[0] == "token":
+                entries.setdefault(name, []).append(ev[2])
+            if name == "first" and ev[0] == "token" and len(out["first"]) == 4:
+                sched.submit([seqs["long"], seqs["mid"]])
+            if name == "mid" and ev[0] == "done":
+                sched.submit([seqs["late"]])  # joins as "mid" leaves
+        return emit
+
+    for i, (name, (n, max_tokens, sampling, seed)) in enumerate(specs.items()):
+        seqs[name] = Continuation(prompt=random_prompt(n, 40 + i), max_new_tokens=max_tokens, emit=on_event(name),
+                                  sampling=sampling, seed=seed, logprobs=1)
+    run(sched, list(seqs.values()), first=[seqs["first"]])
+    for name, seq in seqs.items():
+        assert out[name] == reference(model, seq), name
+        logp = naive_logprobs(model, seq.prompt + out[name])[len(seq.prompt) - 1:-1]
+        assert [lp for lp, _ in entries[name]] == pytest.approx([float(r[t]) for r, t in zip(logp, out[name])],
+                                                               abs=1e-4), name
+    # the storage's row counts (4 for 3 rows), each a graph; later steps of one storage skip the guards
+    assert {1, 4} <= set(checked_rows) <= {1, 2, 4} and len(checked_rows) < sched.steps
+
+
 def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(model):
     """A 40-token prompt arriving while a row decodes runs as chunks of 8, each followed by a decode step
     of the running row; with prefill_chunk=0 it runs whole."""

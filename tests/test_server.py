@@ -656,8 +656,23 @@ def test_serve_with_a_draft_speculates_for_a_lone_greedy_request(model_dir, mode
         assert srv.scheduler.speculation.rounds == rounds
 
 
+@pytest.mark.slow
+def test_serve_compiled_answers_concurrent_clients_as_eager_generate(model, tok):
+    """`gpt2 serve --compile`: concurrent greedy completions through the official client, batched by the
+    scheduler and decoded by the compiled step (a graph per batch-row count, compiled on first use while
+    the requests wait), equal the model's own eager greedy output."""
+    with running_server(model, tok, max_batch=4, compile=True) as srv:
+        patient = OpenAI(base_url=f"{srv.url}/v1", api_key="unused", timeout=600, max_retries=0)
+        with ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(lambda p: patient.completions.create(model="tiny", prompt=p, max_tokens=20,
+                                                                     temperature=0).choices[0].text, PROMPTS[:3]))
+        assert got == [reference(model, tok, p, 20) for p in PROMPTS[:3]]
+        assert srv.scheduler.compile and srv.scheduler.steps > 0
+
+
 def test_serve_parses_its_draft_options():
     from gpt2.cli import build_parser
     args = build_parser().parse_args(["serve", "--model", "m", "--draft", "self:int4", "--draft-tokens", "6",
                                       "--fixed-draft-tokens"])
     assert (args.draft, args.draft_tokens, args.fixed_draft_tokens, args.draft_dtype) == ("self:int4", 6, True, None)
+    assert not args.compile and build_parser().parse_args(["serve", "--model", "m", "--compile"]).compile

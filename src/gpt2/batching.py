@@ -46,11 +46,13 @@ import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
 from gpt2.config import GPT2_EOT
-from gpt2.engine import DraftLength, Speculation, SpeculationStats, draft_costs, draft_fits, resolve_draft
+from gpt2.engine import (DraftLength, Speculation, SpeculationStats, checked_compiled_step, compiled_decode_step,
+                         draft_costs, draft_fits, resolve_draft)
 from gpt2.errors import ContextLengthError, GPT2Error, KVLimitExceeded
 from gpt2.kv_cache import BatchKV, KVCache
 from gpt2.sampling import SamplingConfig, SamplingState, accept_drafts, make_generators, next_tokens
@@ -195,7 +197,8 @@ class Scheduler:
 
     def __init__(self, model, max_batch: int = 16, max_queue: int = 64, initial_capacity: int = 128, *,
                  prefill_chunk: int = 256, prefix_cache: bool = True, max_kv_mb: float | None = None,
-                 idle_shrink_s: float = 5.0, draft=None, draft_tokens: int = 4, adaptive_draft: bool = True):
+                 idle_shrink_s: float = 5.0, draft=None, draft_tokens: int = 4, adaptive_draft: bool = True,
+                 compile: bool = False):
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 0 or draft_tokens < 1:
             raise ValueError("max_batch and draft_tokens must be >= 1, max_queue >= 0 and prefill_chunk >= 0")
         if max_kv_mb is not None and max_kv_mb <= 0:
@@ -230,6 +233,8 @@ class Scheduler:
         self.draft = None if draft is None else resolve_draft(self.model, draft)
         self.draft_tokens, self.adaptive_draft = draft_tokens, adaptive_draft
         self.speculation = SpeculationStats()       # rounds run, drafts proposed and kept, all sequences
+        self.compile = compile                      # decode steps through the engine's compiled step
+        self._checked_storage = None                # (storage, rows) the compiled step's guards last passed for
         self.error: BaseException | None = None
 
     # -- public, thread-safe -------------------------------------------------------------------
@@ -401,13 +406,48 @@ class Scheduler:
         if self.kv.lone_row_unpadded():
             mask = None  # plain causal attention, the faster path (and the engine's for one unpadded prompt)
         ids = torch.tensor([[s._next] for s in self._rows], dtype=torch.long, device=self.device)  # (B, 1)
-        logits = self.model(ids, cache=self.kv, attention_mask=mask)[:, -1]  # (B, V)
+        if self.compile:
+            logits = self._compiled_step(ids)
+        else:
+            logits = self.model(ids, cache=self.kv, attention_mask=mask)[:, -1]  # (B, V)
         self.steps += 1
         for i, s in enumerate(self._rows):
             if s._cancel is None:
                 s._next = self._sample(s, logits[i:i + 1])
                 if s._next is not None and s._speculation is not None:
                     s._speculation.extend(s._next)  # committed without the draft: it catches up when alone
+
+    def _compiled_step(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits (B, V) of ids (B, 1) through the engine's compiled decode step (engine.decode_step), run
+        over every row of the storage: its row count takes a graph of its own (1, 2, 4, ... max_batch, as
+        the storage grows), so rows joining and leaving do not compile again. Rows no sequence holds feed
+        token 0, attend to their own slot only, and their logits are dropped."""
+        kv, B = self.kv, ids.size(0)
+        R, P = kv.row_capacity, kv.pos
+        keys = kv.mask[:, :P + 1].bool()  # (R, P + 1): what each row attends to, column P its new token
+        keys[B:] = False
+        keys[B:, P] = True
+        positions = keys.sum(1, keepdim=True) - 1  # (R, 1): a row's tokens count its position, as in eager
+        padded_ids = torch.zeros(R, 1, dtype=torch.long, device=self.device)
+        padded_ids[:B] = ids
+        # One graph input per layer (views of the (L, R, nh, C, hs) storage): in place into a slice of one
+        # input, the compiled step would copy that whole input every step.
+        layers = SimpleNamespace(k=list(kv.k.unbind(0)), v=list(kv.v.unbind(0)))
+        args = (self.model, padded_ids, positions, torch.tensor([P], device=self.device), keys, layers)
+        storage = (id(kv.k), R)  # an id, not the tensor: a reallocated storage must be freed
+        if storage == self._checked_storage:
+            try:  # the same model and storage as the last checked step: only the guards between graphs run
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                    logits = compiled_decode_step(self.model)(*args)
+            except RuntimeError as error:  # a guard on the sizes failed after all: check them all again
+                if "skip_guard_eval_unsafe" not in str(error):
+                    raise
+                logits = checked_compiled_step(self.model, args)
+        else:
+            logits = checked_compiled_step(self.model, args)
+            self._checked_storage = storage
+        kv.advance(1)
+        return logits[:B]
 
     def _speculate_alone(self) -> bool:
         """One speculative round for a lone row, instead of a decode step; False where none applies."""

@@ -379,6 +379,25 @@ def compile_options(device_type: str) -> dict:
     return options
 
 
+def checked_compiled_step(model, args) -> torch.Tensor:
+    """compiled_decode_step(model)(*args), args as decode_step takes them, with every guard checked.
+
+    This checks all of torch.compile's guards (~3,000 on GPT-2's modules, ~0.8 ms) and compiles if
+    none of the model's graphs fits (compile_options; torch.compile's options= does not reach the
+    freezing pass, so the config is set around the call). The attended length grows by one a step,
+    and the cache's capacity follows the request: both marked dynamic, one graph serves every step of
+    every request of this batch size.
+    """
+    keys, cache = args[4], args[5]
+    torch._dynamo.mark_dynamic(keys, 1)
+    for layer_cache in list(cache.k) + list(cache.v):  # (B, nh, capacity, hs) each
+        torch._dynamo.mark_dynamic(layer_cache, 2)
+    options = compile_options(keys.device.type)
+    options["post_grad_custom_post_pass"] = weights_fingerprint_pass(model)  # the cache key names the weights
+    with _inductor_config().patch(options):
+        return compiled_decode_step(model)(*args)
+
+
 class StaticDecode:
     """The state a compiled decode carries between steps, allocated once: positions, slot, key mask."""
 
@@ -396,18 +415,7 @@ class StaticDecode:
         self.guards_checked = False
 
     def _checked_step(self, keys, cache: KVCache, args) -> torch.Tensor:
-        # This checks all of torch.compile's guards (~3,000 on GPT-2's modules, ~0.8 ms) and compiles
-        # if none of the model's graphs fits (compile_options; torch.compile's options= does not reach
-        # the freezing pass, so the config is set around the call).
-        # The attended length grows by one a step, and the cache's capacity follows the request: both
-        # marked dynamic, one graph serves every step of every request of this batch size.
-        torch._dynamo.mark_dynamic(keys, 1)
-        for layer_cache in cache.k + cache.v:
-            torch._dynamo.mark_dynamic(layer_cache, 2)
-        options = compile_options(keys.device.type)
-        options["post_grad_custom_post_pass"] = weights_fingerprint_pass(self.model)  # the cache key names the weights
-        with _inductor_config().patch(options):
-            return self.fn(*args)
+        return checked_compiled_step(self.model, args)
 
     def __call__(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits (B, V) of ids (B,) written at the cache's position, which then advances by one."""

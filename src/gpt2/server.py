@@ -101,6 +101,7 @@ class ServerConfig:
     draft_dtype: str | None = None     # a draft model's weights (None: dtype)
     draft_tokens: int = 4
     adaptive_draft: bool = True
+    compile: bool = False              # decode steps through the compiled step (batching.Scheduler)
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -122,7 +123,7 @@ def create_app(model, tokenizer, cfg: ServerConfig, model_name: str | None = Non
     names = list(dict.fromkeys([model_name, *cfg.aliases]))
     scheduler = Scheduler(model, max_batch=cfg.max_batch, max_queue=cfg.max_queue, prefill_chunk=cfg.prefill_chunk,
                           prefix_cache=cfg.prefix_cache, max_kv_mb=cfg.max_kv_mb, draft=draft,
-                          draft_tokens=cfg.draft_tokens, adaptive_draft=cfg.adaptive_draft)
+                          draft_tokens=cfg.draft_tokens, adaptive_draft=cfg.adaptive_draft, compile=cfg.compile)
     metrics = ServerMetrics(scheduler)
     template = ChatTemplate.from_file(cfg.chat_template) if cfg.chat_template else ChatTemplate.default()
     playground = files("gpt2").joinpath(PLAYGROUND).read_text(encoding="utf-8")
