@@ -42,6 +42,8 @@ Growing or shrinking the batch storage briefly holds the old and the new tensors
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import threading
 import time
 from collections import OrderedDict, deque
@@ -58,6 +60,27 @@ from gpt2.kv_cache import BatchKV, KVCache
 from gpt2.sampling import SamplingConfig, SamplingState, accept_drafts, make_generators, next_tokens
 
 __all__ = ["Continuation", "KVLimitExceeded", "PrefixCache", "QueueFull", "Scheduler", "SchedulerClosed"]
+
+log = logging.getLogger(__name__)
+
+
+def release_openmp_threads() -> bool:
+    """Let the calling thread's OpenMP worker threads go (OpenMP 5.0's omp_pause_resource_all, soft);
+    they come back at its next parallel region. True if libgomp (PyTorch's OpenMP on Linux) did it.
+
+    The scheduler runs the model on a thread of its own, which gets an OpenMP team of its own. With
+    the team of the thread that loaded the model still parked, libgomp manages more threads than there
+    are CPUs, and then its workers spin only briefly between parallel regions: each of a decode step's
+    hundreds of regions waits for a sleeping thread to wake. Measured on 2 cores (Intel Xeon, int4,
+    batch 8, engine.generate): 447 tok/s on the main thread, 300 on a second one, 455 on the second
+    one once the main thread's team was let go (BENCHMARKS.md, Server).
+    """
+    try:
+        libgomp = ctypes.CDLL("libgomp.so.1")  # the one already loaded (torch/lib's), found by its soname
+        return libgomp.omp_pause_resource_all(1) == 0  # 1: omp_pause_soft
+    except (OSError, AttributeError) as e:  # no libgomp (another OpenMP, or none), or before OpenMP 5.0
+        log.debug("OpenMP threads not released: %s", e)
+        return False
 
 
 class QueueFull(GPT2Error):
@@ -240,6 +263,7 @@ class Scheduler:
     # -- public, thread-safe -------------------------------------------------------------------
 
     def start(self) -> "Scheduler":
+        release_openmp_threads()  # this thread's, typically the one that loaded the model: see there
         self._thread = threading.Thread(target=self._loop, name="gpt2-scheduler", daemon=True)
         self._thread.start()
         return self
@@ -419,12 +443,13 @@ class Scheduler:
 
     def _compiled_step(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits (B, V) of ids (B, 1) through the engine's compiled decode step (engine.decode_step), run
-        over every row of the storage: its row count takes a graph of its own (1, 2, 4, ... max_batch, as
-        the storage grows), so rows joining and leaving do not compile again. Rows no sequence holds feed
-        token 0, attend to their own slot only, and their logits are dropped."""
+        over the storage's first R rows, R the power of two from B up (at most the rows allocated): each R
+        takes a graph of its own (1, 2, 4, ... max_batch), so rows joining and leaving rarely compile
+        again. Rows no sequence holds feed token 0, attend to their own slot only, and their logits are
+        dropped."""
         kv, B = self.kv, ids.size(0)
-        R, P = kv.row_capacity, kv.pos
-        keys = kv.mask[:, :P + 1].bool()  # (R, P + 1): what each row attends to, column P its new token
+        R, P = min(kv.row_capacity, 1 << (B - 1).bit_length()), kv.pos
+        keys = kv.mask[:R, :P + 1].bool()  # (R, P + 1): what each row attends to, column P its new token
         keys[B:] = False
         keys[B:, P] = True
         positions = keys.sum(1, keepdim=True) - 1  # (R, 1): a row's tokens count its position, as in eager
@@ -432,7 +457,7 @@ class Scheduler:
         padded_ids[:B] = ids
         # One graph input per layer (views of the (L, R, nh, C, hs) storage): in place into a slice of one
         # input, the compiled step would copy that whole input every step.
-        layers = SimpleNamespace(k=list(kv.k.unbind(0)), v=list(kv.v.unbind(0)))
+        layers = SimpleNamespace(k=[k[:R] for k in kv.k.unbind(0)], v=[v[:R] for v in kv.v.unbind(0)])
         args = (self.model, padded_ids, positions, torch.tensor([P], device=self.device), keys, layers)
         storage = (id(kv.k), R)  # an id, not the tensor: a reallocated storage must be freed
         if storage == self._checked_storage:
