@@ -300,9 +300,11 @@ def test_one_compiled_graph_serves_every_length(model):
     assert counters["stats"]["unique_graphs"] == graphs
 
 
-def test_static_decode_step_eager_equals_model_forward(model):
+def test_static_decode_step_eager_equals_model_forward(model, monkeypatch):
     """The step compile=True compiles, run eagerly: attends over the written slots of the padded cache."""
+    from gpt2 import engine
     from gpt2.engine import StaticDecode, decode_step, left_pad
+    monkeypatch.setattr(engine, "compiled_decode_step", lambda model: decode_step)  # eager
     from gpt2.kv_cache import KVCache
     P, N = max(len(p) for p in PROMPTS), 5
     capacity = P + N + 7  # slots to spare: the step must attend to the written ones only
@@ -312,7 +314,6 @@ def test_static_decode_step_eager_equals_model_forward(model):
         model(idx, cache=ref_cache, attention_mask=mask[:, :P])
         model(idx, cache=cache, attention_mask=mask[:, :P])
         step = StaticDecode(model, PROMPTS, mask, capacity)
-        step.fn = decode_step  # eager
         ids = torch.tensor([7, 8, 9])
         for t in range(N - 1):
             ref = model(ids.view(3, 1), cache=ref_cache, attention_mask=mask[:, : P + t + 1])[:, -1]

@@ -53,8 +53,8 @@ from types import SimpleNamespace
 import torch
 
 from gpt2.config import GPT2_EOT
-from gpt2.engine import (DraftLength, Speculation, SpeculationStats, checked_compiled_step, compiled_decode_step,
-                         draft_costs, draft_fits, resolve_draft)
+from gpt2.engine import (DraftLength, Speculation, SpeculationStats, checked_compiled_step, draft_costs, draft_fits,
+                         resolve_draft, unchecked_compiled_step)
 from gpt2.errors import ContextLengthError, GPT2Error, KVLimitExceeded
 from gpt2.kv_cache import BatchKV, KVCache
 from gpt2.sampling import SamplingConfig, SamplingState, accept_drafts, make_generators, next_tokens
@@ -257,7 +257,7 @@ class Scheduler:
         self.draft_tokens, self.adaptive_draft = draft_tokens, adaptive_draft
         self.speculation = SpeculationStats()       # rounds run, drafts proposed and kept, all sequences
         self.compile = compile                      # decode steps through the engine's compiled step
-        self._checked_storage = None                # (storage, rows) the compiled step's guards last passed for
+        self._checked_storage = None                # (id of the storage, rows) of the last fully checked step
         self.error: BaseException | None = None
 
     # -- public, thread-safe -------------------------------------------------------------------
@@ -460,14 +460,8 @@ class Scheduler:
         layers = SimpleNamespace(k=[k[:R] for k in kv.k.unbind(0)], v=[v[:R] for v in kv.v.unbind(0)])
         args = (self.model, padded_ids, positions, torch.tensor([P], device=self.device), keys, layers)
         storage = (id(kv.k), R)  # an id, not the tensor: a reallocated storage must be freed
-        if storage == self._checked_storage:
-            try:  # the same model and storage as the last checked step: only the guards between graphs run
-                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                    logits = compiled_decode_step(self.model)(*args)
-            except RuntimeError as error:  # a guard on the sizes failed after all: check them all again
-                if "skip_guard_eval_unsafe" not in str(error):
-                    raise
-                logits = checked_compiled_step(self.model, args)
+        if storage == self._checked_storage:  # the storage and rows of the last checked step
+            logits = unchecked_compiled_step(self.model, args)
         else:
             logits = checked_compiled_step(self.model, args)
             self._checked_storage = storage

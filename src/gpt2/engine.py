@@ -398,6 +398,19 @@ def checked_compiled_step(model, args) -> torch.Tensor:
         return compiled_decode_step(model)(*args)
 
 
+def unchecked_compiled_step(model, args) -> torch.Tensor:
+    """compiled_decode_step(model)(*args) evaluating only the guards that tell the model's graphs apart,
+    for a caller whose last call, with every guard checked, had the same model, cache storage and
+    sizes but the attended length; if a size guard fails after all, every guard is checked again."""
+    try:
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+            return compiled_decode_step(model)(*args)
+    except RuntimeError as error:
+        if "skip_guard_eval_unsafe" not in str(error):
+            raise
+        return checked_compiled_step(model, args)
+
+
 class StaticDecode:
     """The state a compiled decode carries between steps, allocated once: positions, slot, key mask."""
 
@@ -411,11 +424,7 @@ class StaticDecode:
         self.keys = torch.zeros(len(rows), capacity, dtype=torch.bool, device=device)  # (B, capacity)
         n = min(capacity, mask.size(1))
         self.keys[:, :n] = mask[:, :n].bool()
-        self.fn = compiled_decode_step(model)
         self.guards_checked = False
-
-    def _checked_step(self, keys, cache: KVCache, args) -> torch.Tensor:
-        return checked_compiled_step(self.model, args)
 
     def __call__(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits (B, V) of ids (B,) written at the cache's position, which then advances by one."""
@@ -430,18 +439,10 @@ class StaticDecode:
             # A draft's first step after a 1-token prompt: Dynamo specializes sizes 0 and 1, so a dynamic
             # length cannot start there. This one step runs eagerly.
             logits = decode_step(*args)
-        elif self.guards_checked:
-            # Every later step runs on the same model, cache and input tensors: only the guards that tell
-            # the cached graphs apart are evaluated, and they pass for the graph the first step chose.
-            try:
-                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                    logits = self.fn(*args)
-            except RuntimeError as error:  # a guard on the sizes failed after all: check them all again
-                if "skip_guard_eval_unsafe" not in str(error):
-                    raise
-                logits = self._checked_step(keys, cache, args)
+        elif self.guards_checked:  # every later step runs on the same model, cache and input tensors
+            logits = unchecked_compiled_step(self.model, args)
         else:
-            logits = self._checked_step(keys, cache, args)
+            logits = checked_compiled_step(self.model, args)
             self.guards_checked = True
         cache.advance(1)
         self.positions += 1
