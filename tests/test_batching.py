@@ -77,6 +77,18 @@ def collect(out: dict, name: str):
     return lambda ev: out[name].append(ev[1]) if ev[0] == "token" else None
 
 
+def recording(out: dict, entries: dict, name: str, then=lambda ev: None):
+    """An emit recording name's tokens (out) and their logprob entries (entries), then calling then(ev)."""
+    record = collect(out, name)
+
+    def emit(ev):
+        record(ev)
+        if ev[0] == "token":
+            entries.setdefault(name, []).append(ev[2])
+        then(ev)
+    return emit
+
+
 def reference(model, seq: Continuation) -> list[int]:
     s = seq.sampling
     return generate(model, [seq.prompt], max_new_tokens=seq.max_new_tokens, temperature=s.temperature,
@@ -116,15 +128,10 @@ def test_chunked_prefill_draws_what_engine_generate_draws(model, chunk):
     seqs = {}
 
     def on_event(name):
-        record = collect(out, name)
-
-        def emit(ev):
-            record(ev)
-            if ev[0] == "token":
-                entries.setdefault(name, []).append(ev[2])
+        def then(ev):
             if name == "short" and ev[0] == "token" and len(out["short"]) == 3:
                 sched.submit([seqs["long"], seqs["mid"], seqs["tiny"]])  # tiny waits for a free row
-        return emit
+        return recording(out, entries, name, then)
 
     for i, (name, (n, max_tokens, sampling, seed)) in enumerate(specs.items()):
         seqs[name] = Continuation(prompt=random_prompt(n, i), max_new_tokens=max_tokens, emit=on_event(name),
@@ -161,17 +168,12 @@ def test_compiled_decode_steps_draw_what_eager_generate_draws(model, monkeypatch
     out, entries, seqs = {}, {}, {}
 
     def on_event(name):
-        record = collect(out, name)
-
-        def emit(ev):
-            record(ev)
-            if ev[0] == "token":
-                entries.setdefault(name, []).append(ev[2])
+        def then(ev):
             if name == "first" and ev[0] == "token" and len(out["first"]) == 4:
                 sched.submit([seqs["long"], seqs["mid"]])
             if name == "mid" and ev[0] == "done":
                 sched.submit([seqs["late"]])  # joins as "mid" leaves
-        return emit
+        return recording(out, entries, name, then)
 
     for i, (name, (n, max_tokens, sampling, seed)) in enumerate(specs.items()):
         seqs[name] = Continuation(prompt=random_prompt(n, 40 + i), max_new_tokens=max_tokens, emit=on_event(name),
