@@ -150,8 +150,9 @@ def test_chunked_prefill_draws_what_engine_generate_draws(model, chunk):
 
 @pytest.mark.slow
 def test_compiled_decode_steps_draw_what_eager_generate_draws(model, monkeypatch):
-    """Scheduler(compile=True): the decode steps run the engine's compiled step over every storage row
-    (a graph per row count: 1, then 4 here, as sequences join and leave). Greedy and seeded sampled
+    """Scheduler(compile=True): the decode steps run the engine's compiled step over the storage's first
+    rows, a power of two of them, each row count a graph built as the loop starts (1, 2 and 4 here), so
+    none compiles while sequences join and leave. Greedy and seeded sampled
     sequences of different lengths, joining mid-flight, get engine.generate's eager tokens, and each
     token's logprob that of one uncached forward (float32: the compiled step's order of summation only)."""
     specs = {  # name: (prompt length, max tokens, sampling, seed)
@@ -167,8 +168,13 @@ def test_compiled_decode_steps_draw_what_eager_generate_draws(model, monkeypatch
     sched = Scheduler(model, max_batch=4, max_queue=8, initial_capacity=16, prefix_cache=False, compile=True)
     out, entries, seqs = {}, {}, {}
 
+    from torch._dynamo.utils import counters
+    graphs = []  # the graphs Dynamo has built, at the first token and at the end
+
     def on_event(name):
         def then(ev):
+            if name == "first" and ev[0] == "token" and len(out["first"]) == 1:
+                graphs.append(counters["stats"]["unique_graphs"])
             if name == "first" and ev[0] == "token" and len(out["first"]) == 4:
                 sched.submit([seqs["long"], seqs["mid"]])
             if name == "mid" and ev[0] == "done":
@@ -184,8 +190,9 @@ def test_compiled_decode_steps_draw_what_eager_generate_draws(model, monkeypatch
         logp = naive_logprobs(model, seq.prompt + out[name])[len(seq.prompt) - 1:-1]
         assert [lp for lp, _ in entries[name]] == pytest.approx([float(r[t]) for r, t in zip(logp, out[name])],
                                                                abs=1e-4), name
-    # the storage's row counts (4 for 3 rows), each a graph; later steps of one storage skip the guards
-    assert {1, 4} <= set(checked_rows) <= {1, 2, 4} and len(checked_rows) < sched.steps
+    # built first, in order; then a step checks every guard only on a new storage or row count
+    assert checked_rows[:3] == [1, 2, 4] and set(checked_rows) == {1, 2, 4} and len(checked_rows) < 3 + sched.steps / 2
+    assert graphs == [counters["stats"]["unique_graphs"]]  # nothing compiled after the first token
 
 
 def test_releasing_openmp_threads_keeps_parallel_results():

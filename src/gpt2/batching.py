@@ -354,6 +354,8 @@ class Scheduler:
     def _loop(self) -> None:
         try:
             with torch.inference_mode():
+                if self.compile:
+                    self._compile_steps()
                 while self._wait_for_work():
                     self._take_work()
                     self._prefill_chunk()
@@ -426,12 +428,13 @@ class Scheduler:
         if not self._rows or self._speculate_alone():
             return
         self.kv.max_bytes = self._batch_budget()
-        mask = self.kv.decode_mask()
+        # A compiled step's graph holds while its cache has a column beyond the attended ones (engine.StaticDecode)
+        mask = self.kv.decode_mask(spare=int(self.compile))
         if self.kv.lone_row_unpadded():
             mask = None  # plain causal attention, the faster path (and the engine's for one unpadded prompt)
         ids = torch.tensor([[s._next] for s in self._rows], dtype=torch.long, device=self.device)  # (B, 1)
         if self.compile:
-            logits = self._compiled_step(ids)
+            logits = self._compiled_step(self.kv, ids)
         else:
             logits = self.model(ids, cache=self.kv, attention_mask=mask)[:, -1]  # (B, V)
         self.steps += 1
@@ -441,13 +444,30 @@ class Scheduler:
                 if s._next is not None and s._speculation is not None:
                     s._speculation.extend(s._next)  # committed without the draft: it catches up when alone
 
-    def _compiled_step(self, ids: torch.Tensor) -> torch.Tensor:
+    def _compile_steps(self) -> None:
+        """Build the compiled step's graphs before any request needs them, on this thread, as the loop
+        starts (requests arriving meanwhile wait in the queue): one per row count _compiled_step uses
+        (1, 2, 4, ... and max_batch), each a step of that many one-token rows in a storage of its own."""
+        counts = sorted({min(self.max_batch, 1 << i) for i in range(self.max_batch.bit_length() + 1)})
+        one_token = KVCache.for_model(self.model, 1, 2)
+        self.model(torch.zeros(1, 1, dtype=torch.long, device=self.device), cache=one_token)
+        for rows in counts:
+            start = time.perf_counter()
+            kv = BatchKV.for_model(self.model, rows, initial_capacity=8)
+            for _ in range(rows):
+                kv.insert(one_token)
+            kv.decode_mask()
+            self._compiled_step(kv, torch.zeros(rows, 1, dtype=torch.long, device=self.device))
+            log.info("compiled the decode step for %d rows in %.1f s", rows, time.perf_counter() - start)
+        self._checked_storage = None
+
+    def _compiled_step(self, kv: BatchKV, ids: torch.Tensor) -> torch.Tensor:
         """Logits (B, V) of ids (B, 1) through the engine's compiled decode step (engine.decode_step), run
         over the storage's first R rows, R the power of two from B up (at most the rows allocated): each R
         takes a graph of its own (1, 2, 4, ... max_batch), so rows joining and leaving rarely compile
         again. Rows no sequence holds feed token 0, attend to their own slot only, and their logits are
         dropped."""
-        kv, B = self.kv, ids.size(0)
+        B = ids.size(0)
         R, P = min(kv.row_capacity, 1 << (B - 1).bit_length()), kv.pos
         keys = kv.mask[:R, :P + 1].bool()  # (R, P + 1): what each row attends to, column P its new token
         keys[B:] = False

@@ -498,8 +498,9 @@ def add_serve_parser(sub):
     p.add_argument("--fixed-draft-tokens", action="store_true", help="keep k fixed (default: adaptive, as in generate)")
     p.add_argument("--compile", action="store_true",
                    help="decode steps through the compiled step, at any --dtype: a graph per batch-row count "
-                        "(1, 2, 4, ... --max-batch, as the batch grows), each compiled on first use (20-50 s for "
-                        "GPT-2 124M on 2 cores; int4 and int8 about 12 s once Inductor has cached it)")
+                        "(1, 2, 4, ... --max-batch), all built as the server starts, before its first request "
+                        "(20-50 s a graph for GPT-2 124M on 2 cores; int4 and int8 about 12 s once Inductor has "
+                        "cached them)")
     p.set_defaults(func=cmd_serve)
 
 

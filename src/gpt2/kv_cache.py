@@ -191,10 +191,15 @@ class BatchKV:
 
     # -- one decode step -----------------------------------------------------------------------
 
-    def decode_mask(self) -> torch.Tensor:
-        """Make column pos exist and mark it for every live row; the step's attention mask (rows, pos + 1)."""
-        if self.pos == self.capacity:
-            self._fit(self.rows, self.pos + 1, self._span() + 1)
+    def decode_mask(self, spare: int = 0) -> torch.Tensor:
+        """Make column pos (and `spare` more, where the context allows) exist and mark pos for every live
+        row; the step's attention mask (rows, pos + 1)."""
+        need = self.pos + 1 + spare
+        if spare and (need > self.max_capacity
+                      or self.max_bytes is not None and self.bytes_for(self.row_capacity, need) > self.max_bytes):
+            need = self.pos + 1  # no spare column past the context or the KV budget
+        if need > self.capacity:
+            self._fit(self.rows, need, self._span() + need - self.pos)
         self.mask[:self.rows, self.pos] = 1
         return self.mask[:self.rows, :self.pos + 1]
 
