@@ -83,6 +83,11 @@ def release_openmp_threads() -> bool:
         return False
 
 
+def compiled_row_counts(max_batch: int) -> list[int]:
+    """The row counts a compiled scheduler builds a decode graph for: powers of two, and max_batch."""
+    return sorted({min(max_batch, 1 << i) for i in range(max_batch.bit_length() + 1)})
+
+
 class QueueFull(GPT2Error):
     """Too many sequences are waiting for a slot; try again later."""
 
@@ -448,10 +453,9 @@ class Scheduler:
         """Build the compiled step's graphs before any request needs them, on this thread, as the loop
         starts (requests arriving meanwhile wait in the queue): one per row count _compiled_step uses
         (1, 2, 4, ... and max_batch), each a step of that many one-token rows in a storage of its own."""
-        counts = sorted({min(self.max_batch, 1 << i) for i in range(self.max_batch.bit_length() + 1)})
         one_token = KVCache.for_model(self.model, 1, 2)
         self.model(torch.zeros(1, 1, dtype=torch.long, device=self.device), cache=one_token)
-        for rows in counts:
+        for rows in compiled_row_counts(self.max_batch):
             start = time.perf_counter()
             kv = BatchKV.for_model(self.model, rows, initial_capacity=8)
             for _ in range(rows):

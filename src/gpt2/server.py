@@ -66,7 +66,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from gpt2.batching import Continuation, KVLimitExceeded, QueueFull, Scheduler, SchedulerClosed
+from gpt2.batching import Continuation, KVLimitExceeded, QueueFull, Scheduler, SchedulerClosed, compiled_row_counts
 from gpt2.chat import ChatTemplate, ChatTemplateError
 from gpt2.config import GPT2_EOT, require_gpt2_vocab
 from gpt2.metrics import ServerMetrics
@@ -750,4 +750,8 @@ def serve(cfg: ServerConfig) -> None:
     if cfg.host not in ("127.0.0.1", "localhost", "::1") and cfg.api_key is None:
         print(f"gpt2 serve: warning: listening on {cfg.host} without --api-key: anyone who can reach this "
               "address can use the model", file=sys.stderr)
+    if cfg.compile:
+        rows = ", ".join(map(str, compiled_row_counts(cfg.max_batch)))
+        print(f"gpt2 serve: --compile: the decode step's graphs for {rows} rows are built "
+              "before the first request is served (10-50 s each)", file=sys.stderr)
     GracefulServer(uvicorn_config(create_app(model, tokenizer, cfg, draft=draft), cfg)).run()
