@@ -84,7 +84,8 @@ def worker_ours(args) -> dict:
     if args.compile:
         decode(8)  # its own graph
     prefill()
-    return {"decode": decode(1), "prefill": max(prefill() for _ in range(2)), "batch8": decode(8)}
+    return {"decode": decode(1), "prefill": max(prefill() for _ in range(2)), "batch8": decode(8),
+            "kv_bytes": torch.empty((), dtype=model.kv_dtype).element_size()}  # kv_dtype "auto" chose this
 
 
 def worker_hf(args) -> dict:
@@ -153,6 +154,7 @@ def quality_ours(args) -> dict:
     import numpy as np
     import torch
 
+    from gpt2.kv_cache import KVCache
     from gpt2.quantize import load_for_inference
     model = load_for_inference(args.model_dir, args.precision, "cpu")
     windows = np.load(args.windows)  # (W, T + 1)
@@ -160,7 +162,10 @@ def quality_ours(args) -> dict:
     with torch.inference_mode():
         for row in windows:
             x = torch.from_numpy(row[:-1].astype(np.int64)).view(1, -1)
-            logp = torch.log_softmax(model(x)[0].double(), dim=-1)  # (T, V)
+            # A prefill into the KV cache generation uses (its dtype as kv_dtype "auto" chooses), as
+            # llama.cpp's logits come from its own cache.
+            logits = model(x, cache=KVCache.for_model(model, 1, x.size(1)))
+            logp = torch.log_softmax(logits[0].double(), dim=-1)  # (T, V)
             nll.append(-logp.gather(1, torch.from_numpy(row[1:].astype(np.int64)).view(-1, 1)).squeeze(1).numpy())
             argmax.append(logp.argmax(-1).numpy())
     return {"nll": float(np.concatenate(nll).mean()), "argmax": np.concatenate(argmax).tolist()}
@@ -250,7 +255,7 @@ def run_worker(kind: str, args, **extra) -> dict:
 
 def speed(args, model_dir: Path, gguf_dir: Path, n_weights: int) -> None:
     contenders = [("transformers fp32", "hf", {}, None)] * (not args.no_hf)
-    kv = f" kv {args.kv_dtype}" * (args.kv_dtype != "float32")
+    kv = f" kv {args.kv_dtype}" * (args.kv_dtype != "auto")
     for p in args.precisions:
         ours = {"precision": p, "model_dir": model_dir, "kv_dtype": args.kv_dtype}
         contenders.append((f"ours {p}{kv}", "ours", ours, OURS_BYTES[p]))
@@ -290,6 +295,8 @@ def speed(args, model_dir: Path, gguf_dir: Path, n_weights: int) -> None:
         if kind == "ours" and not args.no_llama:
             peer = med[f"llama.cpp {LLAMA[extra['precision']]}"]
             vs = f"{m['decode'] / peer['decode']:.2f}x | {m['prefill'] / peer['prefill']:.2f}x"
+        if "kv_bytes" in m:
+            name += f" (KV {'float32' if m['kv_bytes'] == 4 else 'bf16'})"
         print(f"| {name} | {m['decode']:.1f} | {roof} | {m['prefill']:.0f} | {b8} | {vs} |")
     if not args.no_llama:
         # Ours and llama.cpp at one precision run back to back in every round, so each round's ratio
@@ -338,8 +345,8 @@ def main():
     ap.add_argument("--precisions", nargs="+", default=list(OURS), choices=list(OURS))
     ap.add_argument("--compile", action="store_true",
                     help="also run ours with the compiled decode step, at every precision (compiling is not timed)")
-    ap.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32",
-                    help="our KV cache's dtype (llama.cpp's is f16)")
+    ap.add_argument("--kv-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                    help="our KV cache's dtype, as load_for_inference takes it (llama.cpp's is f16)")
     ap.add_argument("--no-hf", action="store_true", help="skip Transformers")
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp (no benchmark venv)")
     ap.add_argument("--quality", metavar="MODEL", help="perplexity at each precision of this trained model")

@@ -648,3 +648,70 @@ def test_compiled_decode_of_every_format_equals_eager():
         if fmt.precision == "float32":
             assert (generate(model, PROMPTS, max_new_tokens=12, compile=True)
                     == generate(model, PROMPTS, max_new_tokens=12)), f"{fmt.name} {path}"
+
+
+# --- the KV cache's dtype (load_for_inference's kv_dtype="auto") -----------------------------------
+
+def forced(fmt, path: str):
+    """tiny_model with every linear of fmt's precision in fmt, on path at every regime."""
+    plan = kernels.plan_for(tiny_model(), fmt.precision)
+    plan.choices = {k: c if "@" in k else kernels.Choice(fmt.name, {r: path for r in kernels.REGIMES}, {})
+                    for k, c in plan.choices.items()}  # "@": int4's int8 lm_head keeps its own
+    return apply_plan(tiny_model(), plan)
+
+
+def test_keys_are_bf16_exactly_where_every_c_attn_path_returns_bf16():
+    """Where keys_are_bf16 says so, every key and value a float32 cache holds, after a prefill (many-row
+    paths) and decode steps (one row), is a bf16 number: a bf16 cache would hold them exactly. Where it
+    does not, some are not, so the check is what keeps a bf16 cache from rounding them."""
+    from gpt2.kv_cache import KVCache
+    from gpt2.quantize import keys_are_bf16
+    ids = torch.tensor([PROMPTS[0] * 6])  # (1, 42): a prefill of 38 rows, then 4 decode steps
+    seen = set()
+    for fmt, path in [(f, p) for f in CPU_FORMATS if f.available() for p in f.paths if not f.parts]:
+        model = forced(fmt, path)
+        cache = KVCache.for_model(model, 1, ids.size(1), dtype=torch.float32)
+        with torch.inference_mode():
+            model(ids[:, :38], cache=cache)
+            for t in range(38, ids.size(1)):
+                model(ids[:, t:t + 1], cache=cache)
+        lossless = all(torch.equal(x, x.bfloat16().float()) for x in cache.k + cache.v)
+        assert keys_are_bf16(model) == lossless, f"{fmt.precision} {fmt.name} {path}"
+        seen.add((fmt.precision, lossless))
+    assert {("int4", True), ("bfloat16", True), ("float32", False), ("int8", False)} <= seen
+
+
+def test_auto_kv_dtype_is_bf16_only_where_lossless_and_measured_no_slower(monkeypatch, tmp_path):
+    calls = []
+    costs = {"float32": 10.0, "bfloat16": 6.0}
+    monkeypatch.setattr(kernels, "measure_kv_dtypes", lambda *shape: calls.append(shape) or dict(costs))
+    int4 = apply_plan(tiny_model(), kernels.plan_for(tiny_model(), "int4"))
+    assert kernels.kv_cache_dtype(int4)[0] == torch.bfloat16 and calls == [(4, 16)]
+    dtype, why = kernels.kv_cache_dtype(int4)
+    assert dtype == torch.bfloat16 and why.startswith("cache") and len(calls) == 1  # measured once
+    for precision in ("float32", "int8"):  # their c_attn returns float32: nothing is measured
+        model = apply_plan(tiny_model(), kernels.plan_for(tiny_model(), precision))
+        dtype, why = kernels.kv_cache_dtype(model)
+        assert dtype == torch.float32 and "round" in why and len(calls) == 1
+    costs["bfloat16"] = 11.0  # a CPU whose bf16 attention is slower: measured afresh, float32 kept
+    monkeypatch.setattr(kernels, "default_cache_path", lambda: tmp_path / "another machine" / "kernels.json")
+    assert kernels.kv_cache_dtype(int4)[0] == torch.float32 and len(calls) == 2
+
+
+def test_measuring_kv_dtypes_times_both_caches():
+    costs = kernels.measure_kv_dtypes(4, 16)
+    assert set(costs) == {"float32", "bfloat16"} and all(0 < us < 1e5 for us in costs.values())
+
+
+def test_load_for_inference_takes_auto_float32_or_bfloat16_kv(tmp_path, monkeypatch):
+    from conftest import save_hf_model
+    from gpt2.errors import ConfigError
+    from gpt2.quantize import load_for_inference
+    save_hf_model(tmp_path / "m", n_embd=64, n_head=4)  # int4 groups of 32 along n_embd
+    monkeypatch.setattr(kernels, "measure_kv_dtypes", lambda *shape: {"float32": 2.0, "bfloat16": 1.0})
+    assert load_for_inference(tmp_path / "m", "int4", "cpu").kv_dtype == torch.bfloat16  # auto, the default
+    assert load_for_inference(tmp_path / "m", "int8", "cpu").kv_dtype == torch.float32
+    assert load_for_inference(tmp_path / "m", "int4", "cpu", kv_dtype="float32").kv_dtype == torch.float32
+    assert load_for_inference(tmp_path / "m", "float32", "cpu", kv_dtype="bfloat16").kv_dtype == torch.bfloat16
+    with pytest.raises(ConfigError, match="kv_dtype 'float16'"):
+        load_for_inference(tmp_path / "m", "int4", "cpu", kv_dtype="float16")

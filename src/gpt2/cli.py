@@ -363,8 +363,9 @@ def add_generate_parser(sub):
     p.add_argument("--dtype", choices=["float32", "bfloat16", "int8", "int4"], default="float32",
                    help="weights: int8 per channel, int4 per group of 32; kernels chosen by measuring (gpt2 info --kernels)")
     p.add_argument("--verbose", action="store_true", help="print the kernel chosen for each linear, and why")
-    p.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="the KV cache's dtype: bfloat16 halves its memory (eager decoding runs slower: README)")
+    p.add_argument("--kv-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="the KV cache's dtype (auto: bfloat16 where it rounds nothing and measures no slower here, "
+                        "at --dtype bfloat16 and int4; --verbose says which)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step (with --draft: the draft's), at any --dtype (the first "
@@ -485,8 +486,9 @@ def add_serve_parser(sub):
                    help="seconds a request's head, then its body, may take to arrive (slower: 408)")
     p.add_argument("--max-connections", type=int, default=256, help="open connections; more get 503")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "int8", "int4"], default="float32")
-    p.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="the KV cache's dtype: bfloat16 fits twice the tokens in --max-kv-mb")
+    p.add_argument("--kv-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="the KV cache's dtype: bfloat16 fits twice the tokens in --max-kv-mb (auto: bfloat16 "
+                        "where it rounds nothing and measures no slower here)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--draft", default=None, metavar="MODEL",
                    help="speculative decoding for a request decoding alone (not seeded sampling): a smaller "

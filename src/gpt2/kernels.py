@@ -705,3 +705,61 @@ def _choose_combined(choice: Choice, combined: list[WeightFormat]) -> Choice:
         if choice.format in fmt.parts and covers and _combined_gain(fmt, choice)[0] >= COMBINED_GAIN:
             return Choice(fmt.name, {r: _fastest(paths, r) for r in REGIMES}, choice.timings_us, choice.rejected)
     return choice
+
+
+# ---------------------------------------------------------------------------------------------
+# the KV cache's dtype (load_for_inference's kv_dtype="auto")
+# ---------------------------------------------------------------------------------------------
+
+KV_POSITIONS = 256  # the keys one query attends to when the cache's dtype is timed
+KV_ROWS = (1, 8)    # decode and batched decode
+
+
+def kv_cache_dtype(model) -> tuple[torch.dtype, str]:
+    """(the KV caches' dtype for this inference model, why): bf16 where it rounds nothing and its
+    attention is no slower here, else float32.
+
+    Where every c_attn returns bf16 (quantize.keys_are_bf16: bfloat16 and int4 plans), a bf16 cache holds
+    the very keys and values a float32 one would, in half the bytes. Whether attending over it is faster
+    depends on the CPU: PyTorch's eager bf16 SDPA (one query, 8 x 256 keys) runs 2x faster than its
+    float32 one on an Intel Xeon with AMX, and per token 14% slower on an AMD EPYC Zen 4 (BENCHMARKS.md),
+    so it is timed once per machine (attention.json beside the kernel cache)."""
+    from gpt2.quantize import keys_are_bf16
+    if model.transformer.wte.weight.device.type != "cpu":
+        return torch.float32, "measured on CPUs only"
+    if not keys_are_bf16(model):
+        return torch.float32, "c_attn returns float32: a bf16 cache would round the keys and values"
+    config = model.config
+    key = {"kind": "one-query attention", "n_head": config.n_head, "head_size": config.head_size,
+           "positions": KV_POSITIONS, "rows": list(KV_ROWS)}
+    result, source = cached_measurement("attention", key, lambda: measure_kv_dtypes(config.n_head, config.head_size),
+                                        validate=lambda entry: {d: float(entry[d]) for d in ("float32", "bfloat16")})
+    faster = result["bfloat16"] <= result["float32"]  # a tie goes to half the memory
+    return (torch.bfloat16 if faster else torch.float32,
+            f"{source}: attention over a bf16 cache {result['bfloat16']:.1f} us a token, float32 {result['float32']:.1f}; "
+            f"the keys are bf16 numbers either way")
+
+
+def measure_kv_dtypes(n_head: int, head_size: int) -> dict[str, float]:
+    """Microseconds a token of eager one-query attention (SDPA, as a decode step runs it) over KV_POSITIONS
+    keys, at 1 row plus at 8 rows (per row), for a float32 and a bf16 cache. The caches are copies spanning
+    twice the cache this process gets (effective_cache_bytes): a decode step reads them from memory."""
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(0)
+    cost = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        cost[str(dtype).removeprefix("torch.")] = 0.0
+        for rows in KV_ROWS:
+            shape = (rows, n_head, KV_POSITIONS, head_size)
+            nbytes = 2 * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            copies = [(torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
+                      for _ in range(max(2, 2 * effective_cache_bytes() // nbytes))]
+            q = torch.randn(rows, n_head, 1, head_size, generator=g).to(dtype)
+
+            def attend():
+                for k, v in copies:
+                    F.scaled_dot_product_attention(q, k, v)
+            attend()  # warm-up: first calls pay for allocations
+            seconds = min(_timed(attend) for _ in range(REPEATS)) / len(copies)
+            cost[str(dtype).removeprefix("torch.")] += 1e6 * seconds / rows
+    return cost

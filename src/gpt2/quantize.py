@@ -570,6 +570,11 @@ class FastLinear(nn.Module):
             y = y.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
+    def output_dtypes(self) -> set[torch.dtype]:
+        """The dtypes its paths return (before forward casts back), each path run once on one zero row (CPU)."""
+        x = torch.zeros(1, self.in_features)
+        return {path(x, self.kernel_args, self.bias, self.activation).dtype for path in set(self.paths.values())}
+
     def extra_repr(self) -> str:
         fused = f", {self.activation} fused" if self.activation else ""
         return (f"in={self.in_features}, out={self.out_features}, {self.format.precision} {self.format.name}{fused}, "
@@ -611,32 +616,49 @@ def apply_plan(model: nn.Module, plan) -> nn.Module:
     return model.eval()
 
 
-KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # load_for_inference's kv_dtype
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # load_for_inference's kv_dtype, or "auto"
+
+
+def keys_are_bf16(model) -> bool:
+    """Whether every c_attn returns bf16 from each of its paths. Its keys and values are then bf16 numbers
+    (forward casts them to float32 exactly), which a bf16 KV cache holds without rounding anything: at
+    bfloat16 and int4, unless a plan multiplies bf16 weights in float32 (bfloat16's "upcast" path)."""
+    layers = [block.attn.c_attn for block in model.transformer.h]
+    if not all(isinstance(layer, FastLinear) for layer in layers):
+        return False
+    with torch.inference_mode():
+        return all(layer.output_dtypes() == {torch.bfloat16} for layer in layers)
 
 
 def load_for_inference(name_or_path, dtype: str = "float32", device=None, verbose: bool = False,
-                       kv_dtype: str = "float32"):
+                       kv_dtype: str = "auto"):
     """A model ready for generate, its linears in the kernels measured fastest here (kernels.py).
 
-    kv_dtype "bfloat16" keeps its KV caches in bf16 (GPT.kv_dtype), as llama.cpp keeps f16 ones: half
-    their memory. Attention then runs on the rounded keys and values, so logits move by about bf16's
-    rounding; eager decoding is slower, PyTorch's bf16 SDPA being slower than its float32 one (README)."""
-    from gpt2.kernels import plan_for
+    kv_dtype, its KV caches' dtype (GPT.kv_dtype): "auto" keeps them in bf16 where that rounds nothing
+    (keys_are_bf16) and attention over them measures no slower on this machine (kernels.kv_cache_dtype),
+    else float32. "bfloat16" always (as llama.cpp keeps f16 ones: half their memory; at float32 and
+    int8 the keys and values are rounded, so logits move by about bf16's rounding); "float32" never."""
+    from gpt2.kernels import kv_cache_dtype, plan_for
     from gpt2.model import GPT
     if dtype not in PRECISIONS:
         raise ConfigError(f"dtype {dtype!r} is not supported for generation; choose {', '.join(PRECISIONS)}")
-    if kv_dtype not in KV_DTYPES:
-        raise ConfigError(f"kv_dtype {kv_dtype!r} is not supported; choose {', '.join(KV_DTYPES)}")
+    if kv_dtype != "auto" and kv_dtype not in KV_DTYPES:
+        raise ConfigError(f"kv_dtype {kv_dtype!r} is not supported; choose auto, {', '.join(KV_DTYPES)}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = GPT.from_pretrained(name_or_path, device=device, dtype=torch.float32)
-    model.kv_dtype = KV_DTYPES[kv_dtype]
     plan = plan_for(model, dtype)
+    model = apply_plan(model, plan)
+    if kv_dtype == "auto":
+        model.kv_dtype, why = kv_cache_dtype(model)
+    else:
+        model.kv_dtype, why = KV_DTYPES[kv_dtype], "as asked"
     if verbose:
         print(plan.describe(), flush=True)
-    return apply_plan(model, plan)
+        print(f"KV cache: {str(model.kv_dtype).removeprefix('torch.')} ({why})", flush=True)
+    return model
 
 
-def load_draft(draft: str, target_path, dtype: str, device=None, verbose: bool = False, kv_dtype: str = "float32"):
+def load_draft(draft: str, target_path, dtype: str, device=None, verbose: bool = False, kv_dtype: str = "auto"):
     """A speculative-decoding draft for the model at target_path: "self:int8" / "self:int4" load that same
     checkpoint again at that precision; anything else is a model path or name, loaded at `dtype`."""
     from gpt2.engine import SELF_DRAFTS

@@ -90,7 +90,7 @@ class ServerConfig:
     prefix_cache: bool = True          # reuse the keys and values of a repeated prompt prefix
     max_kv_mb: float | None = None     # KV cache limit (None: only max_batch x the context bounds it)
     dtype: str = "float32"
-    kv_dtype: str = "float32"          # the KV caches' dtype: bfloat16 halves them (quantize.load_for_inference)
+    kv_dtype: str = "auto"             # the KV caches' dtype: bfloat16 halves them (quantize.load_for_inference)
     device: str | None = None
     max_body_bytes: int = 1 << 20
     max_choices: int = 64              # prompts x n in one request
