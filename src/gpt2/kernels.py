@@ -35,6 +35,9 @@ outputs and scales the times by its width; checks compare the edges of long call
 against one float64 reference per distinct weight, and at 64, 128 and 512 rows the check's call is the
 first sample. What is left is mostly packing the cold copies (int8's u8s8 engines: ~5 ms a copy).
 
+The KV cache's dtype is chosen here too (kv_cache_dtype, for load_for_inference's kv_dtype="auto"): bf16
+where the keys are bf16 numbers already and one-query attention over a bf16 cache measures no slower.
+
 Results are cached per CPU model and features, torch version, thread count and candidate list, in
 $XDG_CACHE_HOME/gpt2/kernels.json (default ~/.cache), written atomically. A corrupt or foreign file
 is ignored with one warning and measured again.
