@@ -626,8 +626,10 @@ def keys_are_bf16(model) -> bool:
     layers = [block.attn.c_attn for block in model.transformer.h]
     if not all(isinstance(layer, FastLinear) for layer in layers):
         return False
+    distinct = {(layer.format.precision, layer.format.name, *sorted(layer.path_names.items())): layer
+                for layer in layers}  # one shape, one choice: each distinct plan is probed once
     with torch.inference_mode():
-        return all(layer.output_dtypes() == {torch.bfloat16} for layer in layers)
+        return all(layer.output_dtypes() == {torch.bfloat16} for layer in distinct.values())
 
 
 def load_for_inference(name_or_path, dtype: str = "float32", device=None, verbose: bool = False,
