@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 
 from gpt2.atomic import atomic_write_json
-from gpt2.quantize import (CPU_FORMATS, REGIMES, WeightFormat, _Packed, formats_for, kernel_dtype, layer_precision,
+from gpt2.quantize import (CPU_FORMATS, KV_DTYPES, REGIMES, WeightFormat, _Packed, formats_for, kernel_dtype, layer_precision,
                            linear_layers)
 
 log = logging.getLogger(__name__)
@@ -736,7 +736,7 @@ def kv_cache_dtype(model) -> tuple[torch.dtype, str]:
     key = {"kind": "one-query attention", "n_head": config.n_head, "head_size": config.head_size,
            "positions": KV_POSITIONS, "rows": list(KV_ROWS)}
     result, source = cached_measurement("attention", key, lambda: measure_kv_dtypes(config.n_head, config.head_size),
-                                        validate=lambda entry: {d: float(entry[d]) for d in ("float32", "bfloat16")})
+                                        validate=lambda entry: {d: float(entry[d]) for d in KV_DTYPES})
     faster = result["bfloat16"] <= result["float32"]  # a tie goes to half the memory
     return (torch.bfloat16 if faster else torch.float32,
             f"{source}: attention over a bf16 cache {result['bfloat16']:.1f} us a token, float32 {result['float32']:.1f}; "
@@ -750,8 +750,8 @@ def measure_kv_dtypes(n_head: int, head_size: int) -> dict[str, float]:
     import torch.nn.functional as F
     g = torch.Generator().manual_seed(0)
     cost = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        cost[str(dtype).removeprefix("torch.")] = 0.0
+    for name, dtype in KV_DTYPES.items():  # "float32", "bfloat16"
+        cost[name] = 0.0
         for rows in KV_ROWS:
             shape = (rows, n_head, KV_POSITIONS, head_size)
             nbytes = 2 * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -764,5 +764,5 @@ def measure_kv_dtypes(n_head: int, head_size: int) -> dict[str, float]:
                     F.scaled_dot_product_attention(q, k, v)
             attend()  # warm-up: first calls pay for allocations
             seconds = min(_timed(attend) for _ in range(REPEATS)) / len(copies)
-            cost[str(dtype).removeprefix("torch.")] += 1e6 * seconds / rows
+            cost[name] += 1e6 * seconds / rows
     return cost

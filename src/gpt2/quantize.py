@@ -622,7 +622,7 @@ KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # load_for_i
 def keys_are_bf16(model) -> bool:
     """Whether every c_attn returns bf16 from each of its paths. Its keys and values are then bf16 numbers
     (forward casts them to float32 exactly), which a bf16 KV cache holds without rounding anything: at
-    bfloat16 and int4, unless a plan multiplies bf16 weights in float32 (bfloat16's "upcast" path)."""
+    bfloat16 and int4, unless a plan multiplies bf16 weights in float32 (bfloat16's "fp32 GEMM" path)."""
     layers = [block.attn.c_attn for block in model.transformer.h]
     if not all(isinstance(layer, FastLinear) for layer in layers):
         return False
