@@ -56,8 +56,8 @@ from pathlib import Path
 import torch
 
 from gpt2.atomic import atomic_write_json
-from gpt2.quantize import (CPU_FORMATS, KV_DTYPES, REGIMES, WeightFormat, _Packed, formats_for, kernel_dtype, layer_precision,
-                           linear_layers)
+from gpt2.quantize import (CPU_FORMATS, KV_DTYPES, REGIMES, WeightFormat, _Packed, formats_for, kernel_dtype,
+                           layer_precision, linear_layers)
 
 log = logging.getLogger(__name__)
 
@@ -735,12 +735,13 @@ def kv_cache_dtype(model) -> tuple[torch.dtype, str]:
     config = model.config
     key = {"kind": "one-query attention", "n_head": config.n_head, "head_size": config.head_size,
            "positions": KV_POSITIONS, "rows": list(KV_ROWS)}
-    result, source = cached_measurement("attention", key, lambda: measure_kv_dtypes(config.n_head, config.head_size),
+    result, source = cached_measurement("attention", key,
+                                        lambda: measure_kv_dtypes(config.n_head, config.head_size),
                                         validate=lambda entry: {d: float(entry[d]) for d in KV_DTYPES})
     faster = result["bfloat16"] <= result["float32"]  # a tie goes to half the memory
     return (torch.bfloat16 if faster else torch.float32,
-            f"{source}: attention over a bf16 cache {result['bfloat16']:.1f} us a token, float32 {result['float32']:.1f}; "
-            f"the keys are bf16 numbers either way")
+            f"{source}: attention over a bf16 cache {result['bfloat16']:.1f} us a token, "
+            f"float32 {result['float32']:.1f}; the keys are bf16 numbers either way")
 
 
 def measure_kv_dtypes(n_head: int, head_size: int) -> dict[str, float]:
