@@ -59,9 +59,10 @@ class KVCache:
         end = self.pos + k.size(2)
         if end > self.capacity:
             raise ContextLengthError(f"KV cache is full: {end} positions needed, capacity is {self.capacity}")
-        self.k[layer][:, :, self.pos:end] = k
-        self.v[layer][:, :, self.pos:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        keys, values = self.k[layer], self.v[layer]
+        keys.narrow(2, self.pos, k.size(2)).copy_(k)
+        values.narrow(2, self.pos, v.size(2)).copy_(v)
+        return keys.narrow(2, 0, end), values.narrow(2, 0, end)
 
     def advance(self, num_positions: int) -> None:
         self.pos += num_positions
