@@ -652,12 +652,12 @@ def test_compiled_decode_of_every_format_equals_eager():
 
 # --- the KV cache's dtype (load_for_inference's kv_dtype="auto") -----------------------------------
 
-def forced(fmt, path: str):
-    """tiny_model with every linear of fmt's precision in fmt, on path at every regime."""
+def forced_plan(fmt, path: str) -> kernels.Plan:
+    """tiny_model's plan with every linear of fmt's precision in fmt, on path at every regime."""
     plan = kernels.plan_for(tiny_model(), fmt.precision)
     plan.choices = {k: c if "@" in k else kernels.Choice(fmt.name, {r: path for r in kernels.REGIMES}, {})
                     for k, c in plan.choices.items()}  # "@": int4's int8 lm_head keeps its own
-    return apply_plan(tiny_model(), plan)
+    return plan
 
 
 def test_keys_are_bf16_exactly_where_every_c_attn_path_returns_bf16():
@@ -665,11 +665,12 @@ def test_keys_are_bf16_exactly_where_every_c_attn_path_returns_bf16():
     paths) and decode steps (one row), is a bf16 number: a bf16 cache would hold them exactly. Where it
     does not, some are not, so the check is what keeps a bf16 cache from rounding them."""
     from gpt2.kv_cache import KVCache
-    from gpt2.quantize import keys_are_bf16
+    from gpt2.quantize import keys_are_bf16, plan_keys_are_bf16
     ids = torch.tensor([PROMPTS[0] * 6])  # (1, 42): a prefill of 38 rows, then 4 decode steps
     seen = set()
     for fmt, path in [(f, p) for f in CPU_FORMATS if f.available() for p in f.paths if not f.parts]:
-        model = forced(fmt, path)
+        plan = forced_plan(fmt, path)
+        model = apply_plan(tiny_model(), plan)
         cache = KVCache.for_model(model, 1, ids.size(1), dtype=torch.float32)
         with torch.inference_mode():
             model(ids[:, :38], cache=cache)
@@ -677,6 +678,8 @@ def test_keys_are_bf16_exactly_where_every_c_attn_path_returns_bf16():
                 model(ids[:, t:t + 1], cache=cache)
         lossless = all(torch.equal(x, x.bfloat16().float()) for x in cache.k + cache.v)
         assert keys_are_bf16(model) == lossless, f"{fmt.precision} {fmt.name} {path}"
+        # gpt2 info --kernels decides from the plan alone, without the model (on the meta device there)
+        assert plan_keys_are_bf16(plan, model.config) == lossless, f"{fmt.precision} {fmt.name} {path}"
         seen.add((fmt.precision, lossless))
     assert {("int4", True), ("bfloat16", True), ("float32", False), ("int8", False)} <= seen
 
@@ -696,6 +699,32 @@ def test_auto_kv_dtype_is_bf16_only_where_lossless_and_measured_no_slower(monkey
     costs["bfloat16"] = 11.0  # a CPU whose bf16 attention is slower: measured afresh, float32 kept
     monkeypatch.setattr(kernels, "default_cache_path", lambda: tmp_path / "another machine" / "kernels.json")
     assert kernels.kv_cache_dtype(int4)[0] == torch.float32 and len(calls) == 2
+
+
+def test_info_kernels_shows_the_kv_dtype_load_for_inference_takes(tmp_path, monkeypatch, capsys):
+    """gpt2 info --kernels builds its model on the meta device; its KV line must still say what
+    load_for_inference's kv_dtype="auto" takes for the same model on this CPU, in text and in JSON."""
+    import json
+
+    from conftest import save_hf_model
+    from gpt2.cli import main
+    from gpt2.quantize import load_for_inference
+    save_hf_model(tmp_path / "m", n_embd=64, n_head=4)  # int4 groups of 32 along n_embd
+    precisions = ["int4", "bfloat16", "float32", "int8"]
+    for costs in ({"float32": 2.0, "bfloat16": 1.0}, {"float32": 1.0, "bfloat16": 2.0}):  # bf16 faster, slower
+        monkeypatch.setattr(kernels, "default_cache_path", lambda: tmp_path / str(costs) / "kernels.json")
+        monkeypatch.setattr(kernels, "measure_kv_dtypes", lambda *shape: dict(costs))
+        assert main(["info", str(tmp_path / "m"), "--kernels", "--json"]
+                    + [a for p in precisions for a in ("--kernels-dtype", p)]) == 0
+        shown = json.loads(capsys.readouterr().out)["kernels"]
+        assert main(["info", str(tmp_path / "m"), "--kernels", "--kernels-dtype", "int4"]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if "KV cache" in x)
+        for precision in precisions:
+            taken = str(load_for_inference(tmp_path / "m", precision, "cpu").kv_dtype).removeprefix("torch.")
+            assert shown[precision]["kv_cache"]["dtype"] == taken, (precision, costs)
+        assert shown["int4"]["kv_cache"]["dtype"] in line
+        assert shown["int4"]["kv_cache"]["dtype"] == ("bfloat16" if costs["bfloat16"] < costs["float32"] else "float32")
+        assert shown["float32"]["kv_cache"]["dtype"] == "float32"
 
 
 def test_measuring_kv_dtypes_times_both_caches():

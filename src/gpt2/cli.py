@@ -51,7 +51,9 @@ def cmd_info(args):
     if args.kernels:
         info["kernels"] = _kernel_plans(info["config"], args.kernels_dtype or ["float32", "bfloat16", "int8", "int4"])
     if args.json:
-        print(json.dumps({k: v if k != "kernels" else {p: plan.choices_dict() for p, plan in v.items()}
+        def plan_dict(plan, kv) -> dict:
+            return {**plan.choices_dict(), "kv_cache": {"dtype": str(kv[0]).removeprefix("torch."), "why": kv[1]}}
+        print(json.dumps({k: v if k != "kernels" else {p: plan_dict(*plan_kv) for p, plan_kv in v.items()}
                           for k, v in info.items()}))
         return
     print(f"model:       {info['source']}")
@@ -62,20 +64,25 @@ def cmd_info(args):
     print("config:")
     for key, value in info["config"].items():
         print(f"  {key:34s} {value}")
-    for plan in info.get("kernels", {}).values():
+    for plan, (kv_dtype, why) in info.get("kernels", {}).values():
         print(plan.describe())
+        print(f"  KV cache (--kv-dtype auto): {str(kv_dtype).removeprefix('torch.')} ({why})")
 
 
 def _kernel_plans(config: dict, precisions: list[str]) -> dict:
-    """precision -> kernels.Plan for a model of this config (built on the meta device: shapes only)."""
+    """precision -> (kernels.Plan, (KV cache dtype, why)) for a model of this config, as load_for_inference
+    would choose them on this CPU (the model is built on the meta device: shapes only)."""
     import torch
 
     from gpt2.config import GPTConfig
-    from gpt2.kernels import plan_for
+    from gpt2.kernels import kv_dtype_for, plan_for
     from gpt2.model import GPT
+    from gpt2.quantize import plan_keys_are_bf16
+    gpt_config = GPTConfig(**config)
     with torch.device("meta"):
-        model = GPT(GPTConfig(**config))
-    return {p: plan_for(model, p, device_type="cpu") for p in precisions}
+        model = GPT(gpt_config)
+    plans = {p: plan_for(model, p, device_type="cpu") for p in precisions}
+    return {p: (plan, kv_dtype_for(plan_keys_are_bf16(plan, gpt_config), gpt_config)) for p, plan in plans.items()}
 
 
 def add_convert_parser(sub):

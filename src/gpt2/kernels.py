@@ -730,9 +730,14 @@ def kv_cache_dtype(model) -> tuple[torch.dtype, str]:
     from gpt2.quantize import keys_are_bf16
     if model.transformer.wte.weight.device.type != "cpu":
         return torch.float32, "measured on CPUs only"
-    if not keys_are_bf16(model):
+    return kv_dtype_for(keys_are_bf16(model), model.config)
+
+
+def kv_dtype_for(keys_bf16: bool, config) -> tuple[torch.dtype, str]:
+    """kv_cache_dtype's choice on this CPU, given whether the c_attn's keys are bf16 numbers (for a model,
+    quantize.keys_are_bf16; for a plan alone, quantize.plan_keys_are_bf16)."""
+    if not keys_bf16:
         return torch.float32, "c_attn returns float32: a bf16 cache would round the keys and values"
-    config = model.config
     key = {"kind": "one-query attention", "n_head": config.n_head, "head_size": config.head_size,
            "positions": KV_POSITIONS, "rows": list(KV_ROWS)}
     result, source = cached_measurement("attention", key,

@@ -628,8 +628,24 @@ def keys_are_bf16(model) -> bool:
         return False
     distinct = {(layer.format.precision, layer.format.name, *sorted(layer.path_names.items())): layer
                 for layer in layers}  # one shape, one choice: each distinct plan is probed once
+    return all(_returns_bf16(layer) for layer in distinct.values())
+
+
+def plan_keys_are_bf16(plan, config) -> bool:
+    """keys_are_bf16 of a model of this config under the plan, without the model (`gpt2 info --kernels`
+    builds it on the meta device): one c_attn in the plan's choice, packed from a random weight of its
+    shape, on the CPU. A path's output dtype is its kernel's; the weight's values play no part."""
+    C = config.n_embd
+    precision = layer_precision(plan.precision, "c_attn")
+    choice = plan.choice_for(3 * C, C, None, precision)
+    weight = torch.randn(3 * C, C, generator=torch.Generator().manual_seed(0)) * 0.02
+    layer = FastLinear(format_named(precision, choice.format, "cpu"), weight, torch.zeros(3 * C), choice.paths)
+    return _returns_bf16(layer)
+
+
+def _returns_bf16(layer: FastLinear) -> bool:
     with torch.inference_mode():
-        return all(layer.output_dtypes() == {torch.bfloat16} for layer in distinct.values())
+        return layer.output_dtypes() == {torch.bfloat16}
 
 
 def load_for_inference(name_or_path, dtype: str = "float32", device=None, verbose: bool = False,
