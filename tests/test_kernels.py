@@ -71,6 +71,30 @@ def test_int8_per_channel_error_is_half_a_step():
     assert ((q.float() * s[:, None] - w).abs() <= s[:, None] / 2 + 1e-6).all()
 
 
+def test_int8_engines_pack_on_threads_at_once_and_leave_the_process_engine_alone():
+    """Packing for fbgemm and for oneDNN sets the process-wide quantized engine for one call: two threads
+    doing it at once (a model and its draft loading) must each pack what they asked for, and leave the
+    engine as it was (unlocked, one thread restored its "previous" engine after the other had set its own)."""
+    from concurrent.futures import ThreadPoolExecutor
+    engines = [f.name for f in CPU_FORMATS if f.name.startswith("dynamic ") and not f.parts and f.available()]
+    if len(engines) < 2:
+        pytest.skip("needs both u8s8 engines")
+    w = torch.randn(96, 64) * 0.02
+    x = torch.randn(3, 64)
+    before = torch.backends.quantized.engine
+
+    def pack(name):
+        fmt = format_named("int8", name)
+        return [fmt.pack(w, None) for _ in range(40)]
+
+    with ThreadPoolExecutor(len(engines)) as pool:
+        packed = dict(zip(engines, pool.map(pack, engines)))
+    assert torch.backends.quantized.engine == before
+    for name, copies in packed.items():  # each copy computes what one packed alone on this thread does
+        alone = torch.ops.quantized.linear_dynamic(x, format_named("int8", name).pack(w, None)["packed"].obj)
+        assert all(torch.equal(torch.ops.quantized.linear_dynamic(x, t["packed"].obj), alone) for t in copies), name
+
+
 def test_int4_groups_error_is_half_a_step():
     w = torch.randn(40, 4 * INT4_GROUP) * torch.linspace(0.01, 3, 40)[:, None]
     q, sz = quantize_int4_groups(w)

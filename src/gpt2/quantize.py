@@ -39,6 +39,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -341,14 +342,20 @@ def _prepack_int8(engine: str):
             # the packed u8s8 kernels still take them, and the kernel tests fail if that ever stops.
             warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
             qw = torch._make_per_channel_quantized_tensor(q, s.double(), torch.zeros_like(s, dtype=torch.long), 0)
-        previous = torch.backends.quantized.engine
-        torch.backends.quantized.engine = engine  # prepack for this engine only; restored at once
-        try:
-            packed = torch.ops.quantized.linear_prepack(qw, None)
-        finally:
-            torch.backends.quantized.engine = previous
+        # linear_prepack packs for the process-wide engine: set it for this call only, under a lock, so
+        # that two threads packing for different engines (a model and its draft) never swap them.
+        with _QUANTIZED_ENGINE_LOCK:
+            previous = torch.backends.quantized.engine
+            torch.backends.quantized.engine = engine
+            try:
+                packed = torch.ops.quantized.linear_prepack(qw, None)
+            finally:
+                torch.backends.quantized.engine = previous
         return {**tensors, "packed": _Packed(packed)}
     return prepack
+
+
+_QUANTIZED_ENGINE_LOCK = threading.Lock()
 
 
 def _pack_int8_engine(engine: str):
