@@ -40,6 +40,11 @@ CONFIG = GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=300, n_positions=9
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [12, 13], [201, 2, 2, 40]]
 
 
+def format_object(precision: str, name: str):
+    """The format by name, whether or not this CPU offers it (format_named raises where it does not)."""
+    return next(f for f in CPU_FORMATS if f.precision == precision and f.name == name)
+
+
 def tiny_model(seed=0):
     torch.manual_seed(seed)
     model = GPT(CONFIG).eval()
@@ -78,7 +83,7 @@ def test_int8_engines_pack_on_threads_at_once_and_leave_the_process_engine_alone
     from concurrent.futures import ThreadPoolExecutor
     engines = [f.name for f in CPU_FORMATS if f.name.startswith("dynamic ") and not f.parts and f.available()]
     if len(engines) < 2:
-        pytest.skip("needs both u8s8 engines")
+        pytest.skip("needs both u8s8 engines (one saturates on this CPU: quantize._u8s8_sums_exactly)")
     w = torch.randn(96, 64) * 0.02
     x = torch.randn(3, 64)
     before = torch.backends.quantized.engine
@@ -146,12 +151,45 @@ def test_a_call_takes_the_path_of_its_regime():
 
 
 def test_a_path_that_cannot_read_a_shape_is_rejected_with_its_reason():
-    """int4pack's dequant path reads blocks of 64 rows; for 80 rows measure_shape rejects it, names why,
-    and keeps the int4 kernel for every regime."""
+    """int4pack's dequant path reads blocks of 64 rows (32 on an AVX2 CPU); for 80 rows measure_shape
+    rejects it, names why, and keeps the int4 kernel for every regime."""
+    from gpt2.quantize import int4pack_layout
     choice = kernels.measure_shape("int4", 80, 64, None)
-    assert "blocks of 64 rows" in choice.rejected["int4pack/dequant bf16"]
+    assert f"blocks of {int4pack_layout()[0]} rows" in choice.rejected["int4pack/dequant bf16"]
     assert set(choice.paths.values()) == {"int4pack_mm"}
 
+
+
+CPU_LIMITS = {  # environment -> what the probes must find: the ISA libraries see is narrowed, not emulated
+    "ATEN_CPU_CAPABILITY=avx2": "int4pack_layout() == (32, 'halves')",
+    "ATEN_CPU_CAPABILITY=default": "int4pack_layout() == (32, 'pairs')",
+    "ONEDNN_MAX_CPU_ISA=AVX2": ("not onednn_runs(torch.bfloat16) and onednn_runs(torch.float32) "
+                                "and not _u8s8_sums_exactly('onednn') "
+                                "and {f.name for f in formats_for('bfloat16', 'cpu')} == {'plain'} "
+                                "and 'dynamic onednn' not in {f.name for f in formats_for('int8', 'cpu')}"),
+}
+
+
+@pytest.mark.parametrize("limit", CPU_LIMITS)
+def test_what_a_cpu_without_avx512_can_run_is_probed_not_assumed(limit):
+    """On an AVX2 CPU ATen packs int4 in blocks of 32 rows (without AVX2, in pairs of rows), oneDNN has
+    no bf16 linear, and oneDNN's u8s8 kernel saturates (quantize._u8s8_sums_exactly): each is probed,
+    so such a CPU reads its own int4 layout exactly and is never offered a kernel it cannot run right.
+    Each runs in a process whose ISA is narrowed, with the layout test of this file where it applies."""
+    import os
+    import subprocess
+    import sys
+    name, value = limit.split("=")
+    env = {**os.environ, name: value}
+    probe = ("import torch; from gpt2.quantize import _u8s8_sums_exactly, formats_for, int4pack_layout, onednn_runs; "
+             f"assert {CPU_LIMITS[limit]}")
+    result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    if name == "ATEN_CPU_CAPABILITY":
+        test = f"{__file__}::test_int4pack_dequantize_reads_the_kernels_own_layout_exactly"
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+                                env=env, capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout[-2000:]
 
 # --- every path against its reference ---------------------------------------------------------
 
@@ -328,7 +366,7 @@ def test_a_combined_format_is_kept_where_its_second_engine_gains_enough():
     """int8's two-engine format holds fbgemm's and oneDNN's packings of one weight: kept where oneDNN's
     kernel makes some regime COMBINED_GAIN faster than fbgemm's format alone (each regime then takes the
     faster engine), not for less: it costs one more packed copy of the weight."""
-    combined = format_named("int8", "dynamic fbgemm+onednn")
+    combined = format_object("int8", "dynamic fbgemm+onednn")  # its rule only: no kernel runs
     fbgemm = {"u8s8 per row": {"decode": 10.0, "batch": 30.0, "short": 60.0, "prefill": 100.0, "long": 400.0}}
     for onednn_batch, kept in [(20.0, True), (25.0, False)]:  # 1.5x: kept; 1.2x: not
         timings = {"dynamic fbgemm": fbgemm,
@@ -350,7 +388,7 @@ def test_a_combined_format_takes_every_regime_from_the_part_kept_alone():
     """Where oneDNN's format is kept (the faster at 1 row) and fbgemm's was timed at 1 and 8 rows only,
     the combined format still has a path for every regime: oneDNN's own, its int8pack_mm and dequant bf16
     among them (paths both parts have are one kernel on the same tensors)."""
-    combined = format_named("int8", "dynamic fbgemm+onednn")
+    combined = format_object("int8", "dynamic fbgemm+onednn")  # its rule only: no kernel runs
     timings = {"dynamic onednn": {"u8s8 per row": {"decode": 10.0, "batch": 30.0, "short": 60.0},
                                   "dequant bf16": {"short": 70.0, "prefill": 90.0, "long": 300.0}},
                "dynamic fbgemm": {"u8s8 per row": {"decode": 13.0, "batch": 15.0}}}
@@ -364,6 +402,8 @@ def test_the_second_engine_is_timed_at_batch_on_the_paths_a_combined_format_take
     """oneDNN's int8 format, 1.3x slower at 1 row, would stop after decode; as a part of the two-engine
     format its per-row path is also timed at 8 rows (and nothing else of it), so the lm_head's faster
     8-row kernel is found. The times are set here (a fake clock per format and rows); the checks are real."""
+    if not format_object("int8", "dynamic fbgemm+onednn").available():
+        pytest.skip("needs both u8s8 engines (one saturates on this CPU: quantize._u8s8_sums_exactly)")
     format_of = {}  # id of a candidate copy's q -> its format (each copy's q is its own clone)
     real_candidates = kernels._candidates
 

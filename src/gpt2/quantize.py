@@ -37,6 +37,7 @@ The activation of c_fc (GELU) is fused into the GEMM as a oneDNN post-op where t
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import logging
 import threading
@@ -203,29 +204,59 @@ def _int4pack(x, t, bias, activation):
     return _act(y if bias is None else y.add_(bias), activation)
 
 
+@functools.cache
+def int4pack_layout() -> tuple[int, str] | None:
+    """How this process's _convert_weight_to_int4pack_for_cpu lays out nibbles: (block, order), or None.
+
+    The packed (N, K/2) uint8 is [N/block][K][block/2]: a block of output rows at a time, and for each
+    column k of it, block/2 bytes of two nibbles each. ATen picks the layout by the CPU's vector width:
+    with AVX-512, blocks of 64 rows whose byte j holds row j in its low nibble and row 32 + j in its
+    high one ("halves"); with AVX2, blocks of 32 and halves of 16; without either, rows 2j and 2j + 1
+    ("pairs"). None of this is documented, so it is found by packing a small weight once and comparing
+    the bytes with each candidate's; None if none matches (int4pack_dequantize then raises, and
+    kernels.py rejects the path that needs it)."""
+    N, K = 128, 64
+    q = (torch.arange(N).view(N, 1) * 5 + torch.arange(K).view(1, K) * 3 + torch.arange(N).view(N, 1) // 16) % 16
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1)
+    for block, order in itertools.product((64, 32, 16), ("halves", "pairs")):
+        nibbles = _nibbles_in_row_order(packed.view(N // block, K, block // 2), order)  # (N/block, K, block)
+        if nibbles.permute(0, 2, 1).reshape(N, K).equal(q.to(torch.uint8)):
+            return block, order
+    return None
+
+
+def _nibbles_in_row_order(blocks: torch.Tensor, order: str) -> torch.Tensor:
+    """(..., block/2) packed bytes -> (..., block) nibbles, in the order of the rows they belong to."""
+    if order == "halves":
+        return torch.cat((blocks & 15, blocks >> 4), dim=-1)
+    return torch.stack((blocks & 15, blocks >> 4), dim=-1).flatten(-2)
+
+
 def int4pack_dequantize(packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
     """The bf16 weight (N, K) that _weight_int4pack_mm_for_cpu computes with, from its own packed form.
 
-    packed (N, K/2) uint8 is laid out in blocks of 64 output rows, [N/64][K][32]: byte j of (block b,
-    column k) holds row 64 b + j in its low nibble and row 64 b + 32 + j in its high one. This layout
-    is the kernel's, not a documented format: kernels.py checks the path against the float64 reference
-    before using it, so a torch that packs differently gets this path rejected, never wrong numbers.
-    scales_zeros (K/group, N, 2) bf16.
+    packed (N, K/2) uint8 in the kernel's layout (int4pack_layout: blocks of 64 or 32 rows on AVX-512
+    and AVX2 CPUs); scales_zeros (K/group, N, 2) bf16. A torch or CPU whose layout is none of the known
+    ones raises here, and kernels.py's check rejects the path: never wrong numbers.
 
-    Returned as the transpose of a contiguous (K, N): the blocks (N/64, K, 64) become (K, N) by copying
-    runs of 64 values, where a contiguous (N, K) would take a transpose element by element (measured
-    1.3-1.6x slower for the whole dequantization); GEMMs read either layout.
+    Returned as the transpose of a contiguous (K, N): the blocks (N/block, K, block) become (K, N) by
+    copying runs of `block` values, where a contiguous (N, K) would take a transpose element by element
+    (measured 1.3-1.6x slower for the whole dequantization); GEMMs read either layout.
     """
+    layout = int4pack_layout()
+    if layout is None:
+        raise RuntimeError("this torch packs int4 weights in a layout int4pack_dequantize does not know")
+    block, order = layout
     N, K = packed.size(0), 2 * packed.size(1)
-    if N % 64:
-        raise RuntimeError(f"the CPU int4 packing is read in blocks of 64 rows; {N} rows are not")
+    if N % block:
+        raise RuntimeError(f"the CPU int4 packing is read in blocks of {block} rows; {N} rows are not")
     G = scales_zeros.size(0)
-    blocks = packed.view(N // 64, G, K // G, 32)
-    q = torch.cat((blocks & 15, blocks >> 4), dim=-1).to(torch.bfloat16).sub_(8)  # (N/64, G, K/G, 64): q - 8, exact
-    scale = scales_zeros[..., 0].reshape(G, N // 64, 1, 64).transpose(0, 1).contiguous()  # (N/64, G, 1, 64)
-    zero = scales_zeros[..., 1].reshape(G, N // 64, 1, 64).transpose(0, 1).contiguous()
-    w = torch.addcmul(zero, q, scale)  # (q - 8) s + z, rounded once to bf16: (N/64, G, K/G, 64) = (N/64, K, 64)
-    return w.view(N // 64, K, 64).permute(1, 0, 2).reshape(K, N).t()  # (N, K), strides (1, N)
+    blocks = packed.view(N // block, G, K // G, block // 2)
+    q = _nibbles_in_row_order(blocks, order).to(torch.bfloat16).sub_(8)  # (N/block, G, K/G, block): q - 8, exact
+    scale = scales_zeros[..., 0].reshape(G, N // block, 1, block).transpose(0, 1).contiguous()  # (N/block, G, 1, block)
+    zero = scales_zeros[..., 1].reshape(G, N // block, 1, block).transpose(0, 1).contiguous()
+    w = torch.addcmul(zero, q, scale)  # (q - 8) s + z, rounded once to bf16: (N/block, G, K/G, block)
+    return w.view(N // block, K, block).permute(1, 0, 2).reshape(K, N).t()  # (N, K), strides (1, N)
 
 
 # Weights _int4pack_dequant makes bf16 per GEMM call: 8 MB, so 124M's and 355M's weights stay whole.
@@ -243,13 +274,17 @@ def _int4pack_dequant(x, t, bias, activation):
     x = x.to(torch.bfloat16)
     b = None if bias is None else bias.to(torch.bfloat16)
     post_op = ("none", "") if activation is None else ("gelu", "tanh")
-    rows = max(64, DEQUANT_BLOCK // x.size(1) // 64 * 64)  # whole blocks of the packing's 64 rows
+    block = (int4pack_layout() or (64,))[0]  # None: int4pack_dequantize raises below
+    rows = max(block, DEQUANT_BLOCK // x.size(1) // block * block)  # whole blocks of the packing's rows
     ys = []
     for start in range(0, n_out, rows):
         stop = min(start + rows, n_out)
         w = int4pack_dequantize(packed[start:start + rows], scales_zeros[:, start:start + rows])
-        ys.append(torch.ops.mkldnn._linear_pointwise(x, w[: stop - start], None if b is None else b[start:stop],
-                                                     post_op[0], [], post_op[1]))  # padding rows dropped
+        w, b_rows = w[: stop - start], None if b is None else b[start:stop]  # padding rows dropped
+        if onednn_runs(torch.bfloat16):
+            ys.append(torch.ops.mkldnn._linear_pointwise(x, w, b_rows, post_op[0], [], post_op[1]))
+        else:  # a CPU without oneDNN's bf16 (AVX2): ATen's bf16 GEMM, slower, and kernels.py measures it so
+            ys.append(_act(F.linear(x, w, b_rows), activation))
     return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
 
 
@@ -370,7 +405,41 @@ def _repack_int8_engine(engine: str):
 
 
 def _engine_available(engine: str) -> Callable[[], bool]:
-    return lambda: engine in torch.backends.quantized.supported_engines and _has("quantized", "linear_dynamic")()
+    return lambda: (engine in torch.backends.quantized.supported_engines and _has("quantized", "linear_dynamic")()
+                    and _u8s8_sums_exactly(engine))
+
+
+@functools.cache
+def _u8s8_sums_exactly(engine: str) -> bool:
+    """Whether the engine's u8s8 GEMM adds its products without saturating on this CPU (probed once).
+
+    Without VNNI, a u8s8 kernel may add pairs of u8 x s8 products in int16 (AVX2's vpmaddubsw): 2 x 255
+    x 127 saturates at 32,767. oneDNN limited to AVX2 does (ONEDNN_MAX_CPU_ISA=AVX2 on an AVX-512 Xeon:
+    32.0 came out as 16.2, and random weights were 10x further off). The kernel check in kernels.py,
+    on random weights, would not always see it; GPT-2's activations have large outliers. So such an
+    engine is not offered at all: x of ones (u8 255) against weights of +-127 must give +-32 exactly."""
+    w = torch.full((16, 64), 0.5)
+    w[1::2] = -0.5
+    try:
+        packed = _pack_int8_engine(engine)(w, None)["packed"].obj
+        y = torch.ops.quantized.linear_dynamic(torch.ones(1, 64), packed, False)
+    except RuntimeError:
+        return False
+    return bool(((y - torch.ones(1, 64) @ w.t()).abs() < 1e-3).all())
+
+
+@functools.cache
+def onednn_runs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs and runs a linear in dtype on this CPU (probed once on a 16x16 weight): bf16
+    needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and raises on an AVX2-only CPU."""
+    if not _has("mkldnn", "_reorder_linear_weight")():
+        return False
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=dtype), 1)
+        y = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 16, dtype=dtype), packed, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return bool((y == 16).all())
 
 
 def _pack_int8_both_engines(w, bias):
@@ -415,12 +484,12 @@ CPU_FORMATS: list[WeightFormat] = [
     WeightFormat("plain", "float32", lambda w, b: {"weight": w.contiguous()}, _plain_reference,
                  {"F.linear": _plain}),
     WeightFormat("onednn", "float32", lambda w, b: {"onednn": torch.ops.mkldnn._reorder_linear_weight(w, 1)},
-                 _onednn_reference, {"onednn": _onednn}, available=_has("mkldnn", "_reorder_linear_weight")),
+                 _onednn_reference, {"onednn": _onednn}, available=lambda: onednn_runs(torch.float32)),
     # The same kernel on the weight laid out for 8-row calls (oneDNN's batch-size hint). Measured on an AMD
     # EPYC (Zen 5), this layout was faster for float32 at every row count: 1 row 15-30% (768x3072: 279 vs
     # 196 us), 8 rows 2.5x, 128 rows 15-19%; for bf16 the hint made no difference.
     WeightFormat("onednn b8", "float32", lambda w, b: {"onednn": torch.ops.mkldnn._reorder_linear_weight(w, 8)},
-                 _onednn_reference, {"onednn": _onednn}, available=_has("mkldnn", "_reorder_linear_weight")),
+                 _onednn_reference, {"onednn": _onednn}, available=lambda: onednn_runs(torch.float32)),
     WeightFormat("mkl", "float32",
                  lambda w, b: {"weight": w.contiguous(), "mkl": torch.ops.mkl._mkl_reorder_linear_weight(w, 1)},
                  _plain_reference, {"mkl": _mkl},
@@ -431,8 +500,7 @@ CPU_FORMATS: list[WeightFormat] = [
     # above offers the float32-GEMM path for CPUs whose bf16 GEMM is slow.
     WeightFormat("onednn", "bfloat16",
                  lambda w, b: {"onednn": torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), 1)},
-                 _onednn_reference, {"onednn": _onednn},
-                 available=_has("mkldnn", "_reorder_linear_weight")),
+                 _onednn_reference, {"onednn": _onednn}, available=lambda: onednn_runs(torch.bfloat16)),
     WeightFormat("weight-only", "int8", _pack_int8, _int8_reference,
                  {"int8pack_mm": _int8pack, "dequant bf16": _int8_dequant_bf16,
                   "dequant fp32": _int8_dequant(torch.float32)}, many_row_paths=("dequant bf16", "dequant fp32"),
