@@ -119,9 +119,8 @@ def observed(op, rec, cache_updates, block_seen):
         return module(f"{h}.attn.c_attn")
     attn = lambda f: rec.in_module(f"{h}.attn", f)  # noqa: E731
     if name == "head split":
-        transposes = attn("transpose")[:3]
-        outs = [out for _, out in transposes]
-        assert outs[0] == outs[1] == outs[2]
+        (_, outs), = attn("unbind")  # q, k, v: one unbind of the (3, B, nh, T, hs) view of c_attn's output
+        assert len(outs) == 3 and outs[0] == outs[1] == outs[2]
         return [module(f"{h}.attn.c_attn")[1]], [3] + outs[0]
     if name == "kv cache append":
         ins, keys, values = cache_updates[i]

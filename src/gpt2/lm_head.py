@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from gpt2.errors import ConfigError
+from gpt2.quantize import onednn_runs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,10 +76,6 @@ class HeadPlan:
         return cls("aten", rows, rows)
 
 
-def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T through oneDNN's matmul (float32 stays float32: no reduced-precision mode)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
@@ -117,8 +114,9 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         autocast = device in ("cpu", "cuda") and torch.is_autocast_enabled(device)
         gemm = torch.get_autocast_dtype(device) if autocast else weight.dtype
         accumulate = torch.promote_types(gemm, torch.float32)  # float32, or float64 for float64 inputs
+        # oneDNN has no float64, and no bf16 on a CPU without AVX-512: the plan then falls back to torch.mm
         onednn = (plan.library == "onednn" and device == "cpu" and gemm in (torch.float32, torch.bfloat16)
-                  and onednn_available())  # oneDNN has no float64: the plan then falls back to torch.mm
+                  and onednn_runs(gemm))
         w = weight.to(gemm)  # (V, C)
         # oneDNN computes a @ b.T: grad_x = dlogits @ w needs w transposed, copied once for all chunks
         w_t = w.t().contiguous() if onednn and needs_grad else None  # (C, V)
@@ -244,7 +242,7 @@ VERSION = 4  # in the cache key: a change to the head's implementation makes old
 def candidate_plans(rows: int, n_embd: int) -> list[HeadPlan]:
     """Plans worth timing for `rows` rows: HeadPlan.default, and each library x each chunk size up to
     the rows, with a weight-gradient GEMM per chunk (grouped_plans tries fewer, longer ones)."""
-    libraries = ["aten"] + (["onednn"] if onednn_available() else [])
+    libraries = ["aten"] + (["onednn"] if onednn_runs(torch.float32) else [])
     chunks = [c for c in CHUNK_ROWS if c < rows] + [min(rows, CHUNK_ROWS[-1])]
     default = HeadPlan.default(n_embd)
     plans = [HeadPlan(lib, c, c) for lib in libraries for c in chunks]

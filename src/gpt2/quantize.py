@@ -431,8 +431,9 @@ def _u8s8_sums_exactly(engine: str) -> bool:
 @functools.cache
 def onednn_runs(dtype: torch.dtype) -> bool:
     """Whether oneDNN packs and runs a linear in dtype on this CPU (probed once on a 16x16 weight): bf16
-    needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and raises on an AVX2-only CPU."""
-    if not _has("mkldnn", "_reorder_linear_weight")():
+    needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and raises on an AVX2-only CPU. The inference formats
+    and the training loss's lm_head (lm_head.py) both ask."""
+    if not (torch.backends.mkldnn.is_available() and _has("mkldnn", "_reorder_linear_weight")()):
         return False
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=dtype), 1)
