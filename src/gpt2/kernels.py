@@ -61,7 +61,7 @@ from gpt2.quantize import (CPU_FORMATS, KV_DTYPES, REGIMES, WeightFormat, _Packe
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 11 # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
+CACHE_VERSION = 12 # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
                    # 4: the bf16 oneDNN format keeps only its packed weight (no float32-GEMM path);
                    # 5: entries keyed by the layer's own precision (int4 and int8 plans share the int8 lm_head);
                    # 6: int4's "dequant bf16" writes a (K, N) weight and fuses bias and GELU; paths cast their
@@ -71,7 +71,8 @@ CACHE_VERSION = 11 # 2: decode copies own their storage (version 1 timed float32
                    # the format is chosen decode first (_choose); the check's first call is never the
                    # only sample (_time_path); 9: int4's "dequant bf16" works in blocks of DEQUANT_BLOCK weights;
                    # 10: the decode span counts a copy as the weight at its precision's width (_copies);
-                   # 11: int8's two-engine format (WeightFormat.parts; _choose_combined)
+                   # 11: int8's two-engine format (WeightFormat.parts; _choose_combined); 12: int4's
+                   # "dequant bf16" reads AVX2's and plain CPUs' packing too (quantize.int4pack_layout)
 # The files cached_measurement keeps (training.json, lm_head.json, cpu_cache.json) carry their own version:
 # a change to the kernel plans above leaves them valid.
 MEASUREMENT_CACHE_VERSION = 5
