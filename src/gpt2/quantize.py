@@ -276,14 +276,15 @@ def _int4pack_dequant(x, t, bias, activation):
     post_op = ("none", "") if activation is None else ("gelu", "tanh")
     block = (int4pack_layout() or (64,))[0]  # None: int4pack_dequantize raises below
     rows = max(block, DEQUANT_BLOCK // x.size(1) // block * block)  # whole blocks of the packing's rows
+    onednn = onednn_runs(torch.bfloat16)  # else (AVX2) ATen's bf16 GEMM, slower: kernels.py measures it so
     ys = []
     for start in range(0, n_out, rows):
         stop = min(start + rows, n_out)
         w = int4pack_dequantize(packed[start:start + rows], scales_zeros[:, start:start + rows])
         w, b_rows = w[: stop - start], None if b is None else b[start:stop]  # padding rows dropped
-        if onednn_runs(torch.bfloat16):
+        if onednn:
             ys.append(torch.ops.mkldnn._linear_pointwise(x, w, b_rows, post_op[0], [], post_op[1]))
-        else:  # a CPU without oneDNN's bf16 (AVX2): ATen's bf16 GEMM, slower, and kernels.py measures it so
+        else:
             ys.append(_act(F.linear(x, w, b_rows), activation))
     return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
 
@@ -679,17 +680,23 @@ def apply_plan(model: nn.Module, plan) -> nn.Module:
     model.float()
     device_type = model.transformer.wte.weight.device.type
     for parent, attr, linear, activation in linear_layers(model):
-        precision = layer_precision(plan.precision, attr)
-        choice = plan.choice_for(linear.out_features, linear.in_features, activation, precision)
-        fmt = format_named(precision, choice.format, device_type)
         # The residual projections feed the float32 residual add; a c_fc with its GELU fused feeds the
         # MLP's c_proj. c_attn (attention runs in float32) and the lm_head (float32 logits) cast back.
         feeds_linear_or_residual = attr == "c_proj" or (attr == "c_fc" and activation is not None)
-        setattr(parent, attr, FastLinear(fmt, linear.weight, linear.bias, choice.paths, activation,
-                                         returns_kernel_dtype=feeds_linear_or_residual))
+        setattr(parent, attr, planned_linear(plan, attr, linear.weight, linear.bias, activation, device_type,
+                                             returns_kernel_dtype=feeds_linear_or_residual))
         if activation is not None:
             parent.act = nn.Identity()
     return model.eval()
+
+
+def planned_linear(plan, attr: str, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+                   device_type: str, returns_kernel_dtype: bool = False) -> FastLinear:
+    """The FastLinear the plan gives a layer (attr: its name in linear_layers) holding this weight (N, K)."""
+    precision = layer_precision(plan.precision, attr)
+    choice = plan.choice_for(weight.size(0), weight.size(1), activation, precision)
+    return FastLinear(format_named(precision, choice.format, device_type), weight, bias, choice.paths, activation,
+                      returns_kernel_dtype=returns_kernel_dtype)
 
 
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # load_for_inference's kv_dtype, or "auto"
@@ -712,11 +719,8 @@ def plan_keys_are_bf16(plan, config) -> bool:
     builds it on the meta device): one c_attn in the plan's choice, packed from a random weight of its
     shape, on the CPU. A path's output dtype is its kernel's; the weight's values play no part."""
     C = config.n_embd
-    precision = layer_precision(plan.precision, "c_attn")
-    choice = plan.choice_for(3 * C, C, None, precision)
     weight = torch.randn(3 * C, C, generator=torch.Generator().manual_seed(0)) * 0.02
-    layer = FastLinear(format_named(precision, choice.format, "cpu"), weight, torch.zeros(3 * C), choice.paths)
-    return _returns_bf16(layer)
+    return _returns_bf16(planned_linear(plan, "c_attn", weight, torch.zeros(3 * C), None, "cpu"))
 
 
 def _returns_bf16(layer: FastLinear) -> bool:
