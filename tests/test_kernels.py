@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import time
 
 import pytest
 import torch
@@ -43,6 +45,16 @@ PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [12, 13], [201, 2, 2, 40]]
 def format_object(precision: str, name: str):
     """The format by name, whether or not this CPU offers it (format_named raises where it does not)."""
     return next(f for f in CPU_FORMATS if f.precision == precision and f.name == name)
+
+
+def fake_clock(monkeypatch, seconds):
+    """Every timing made up: seconds(path, copies, x), for a call of the path on those copies with rows x,
+    at the regimes timed on one warm copy (_time_path) and those timed in turn over cold copies
+    (_time_in_turn: each layer of the turn)."""
+    monkeypatch.setattr(kernels, "_time_path", lambda path, copies, b, activation, x, *rest, **kw:
+                        seconds(path, copies, x))
+    monkeypatch.setattr(kernels, "_time_in_turn", lambda path, turn, best_so_far:
+                        [seconds(path, copies, x) for copies, b, activation, x in turn])
 
 
 def tiny_model(seed=0):
@@ -416,14 +428,14 @@ def test_the_second_engine_is_timed_at_batch_on_the_paths_a_combined_format_take
                ("dynamic onednn", 8): 15.0}
     timed = []
 
-    def fake_time(path, copies, b, activation, x, best_so_far=None, first_sample=None):
+    def fake_time(path, copies, x):
         fmt = format_of[id(copies[0]["q"])]
         timed.append((fmt, path.__name__, x.size(0)))
         one_scale = 0.5 if path.__name__ == "_int8_dynamic" else 0.0  # one scale per call: a little slower here
         return (fake_us.get((fmt, x.size(0)), 40.0 * x.size(0)) + one_scale) / 1e6
 
     monkeypatch.setattr(kernels, "_candidates", candidates)
-    monkeypatch.setattr(kernels, "_time_path", fake_time)
+    fake_clock(monkeypatch, fake_time)
     choice = kernels.measure_shape("int8", 96, 64, None)
     assert choice.format == "dynamic fbgemm+onednn"
     assert choice.paths["decode"] == "u8s8 per row" and choice.paths["batch"] == "onednn u8s8 per row"
@@ -515,7 +527,7 @@ def test_a_wide_layers_prefill_is_timed_on_its_leading_outputs_and_scaled(monkey
     broken = quantize.WeightFormat("broken", "float32", lambda w, b: {"weight": w}, quantize._plain_reference,
                                    {"wrong at many rows": wrong_at_many_rows})
     monkeypatch.setattr(quantize, "CPU_FORMATS", quantize.CPU_FORMATS + [broken])
-    monkeypatch.setattr(kernels, "_time_path", lambda *a, **k: 1e-6)  # every call "takes" 1 us
+    fake_clock(monkeypatch, lambda path, copies, x: 1e-6)  # every call "takes" 1 us
     choice = kernels.measure_shape("float32", N, 16, None)
     assert "broken/wrong at many rows" in choice.rejected and choice.format != "broken"
     assert widths == {1: {N}, 8: {N}, 64: {64 + 5}, 128: {64 + 5}}  # rejected at 128 rows: never called at 512
@@ -532,8 +544,7 @@ def test_int8_paths_shared_by_formats_are_measured_once(monkeypatch):
     checked = []
     real_check = kernels._check
     monkeypatch.setattr(kernels, "_check", lambda path, *a: checked.append(path) or real_check(path, *a))
-    monkeypatch.setattr(kernels, "_time_path", lambda path, copies, b, activation, x, *rest, **kw:
-                        (10.0 if path is _int8pack else 12.0) * x.size(0) ** 0.5 / 1e6)
+    fake_clock(monkeypatch, lambda path, copies, x: (10.0 if path is _int8pack else 12.0) * x.size(0) ** 0.5 / 1e6)
     choice = kernels.measure_shape("int8", 96, 64, None)
     engines = [f.name for f in formats_for("int8") if f.same_weights_as == "weight-only"]
     assert engines and checked.count(_int8pack) <= len(kernels.REGIMES)
@@ -561,8 +572,9 @@ def test_int8_formats_build_one_float64_reference(monkeypatch):
 
 def test_an_int4_plan_reuses_the_int8_lm_head_an_int8_plan_measured(monkeypatch):
     measured = []
-    real = kernels.measure_shape
-    monkeypatch.setattr(kernels, "measure_shape", lambda *shape: measured.append(shape) or real(*shape))
+    real = kernels.measure_shapes
+    monkeypatch.setattr(kernels, "measure_shapes", lambda precision, shapes: measured.extend(
+        (precision, *shape) for shape in shapes) or real(precision, shapes))
     kernels.plan_for(tiny_model(), "int8")
     assert ("int8", CONFIG.vocab_size, CONFIG.n_embd, None) in measured
     measured.clear()
@@ -597,6 +609,53 @@ def test_decode_copies_span_twice_the_cache_at_the_precisions_width(fmt, monkeyp
     copies = kernels._copies(fmt, w, b, fmt.pack(w, b))
     expected = {"float32": 4, "bfloat16": 8, "int8": 16, "int4": 32}[fmt.precision]  # 2 x 4 MiB / (512K weights)
     assert len(copies) == expected
+
+
+def test_decode_copies_span_twice_the_cache_over_the_layers_timed_in_turn(monkeypatch):
+    """Timed in turn with other layers, a layer needs copies for its share of the span only: a round
+    reads every layer once."""
+    monkeypatch.setattr(kernels, "effective_cache_bytes", lambda: 4 * 1024 ** 2)
+    fmt = format_object("int8", "weight-only")
+    w, b = torch.randn(512, 1024), torch.randn(512)
+    packed = fmt.pack(w, b)
+    assert len(kernels._copies(fmt, w, b, packed)) == 16  # 2 x 4 MiB / 512 KiB
+    assert len(kernels._copies(fmt, w, b, packed, round_weights=4 * w.numel())) == 4
+    assert len(kernels._copies(fmt, w, b, packed, round_weights=64 * w.numel())) == 1
+
+
+def test_decode_calls_a_blocks_layers_in_turn_one_copy_of_each_a_round():
+    """As a decode step calls a block's linears: layer 0's copy 0, layer 1's copy 0, layer 0's copy 1, ...;
+    each layer's time is its own calls' mean."""
+    calls = []
+
+    def path(x, tensors, b, activation):
+        calls.append(tensors["id"])
+        time.sleep(0.001 * (1 + tensors["id"][0]))  # layer 1's calls take twice layer 0's
+
+    turn = [([{"id": (layer, copy)} for copy in range(3)], None, None, torch.zeros(1)) for layer in range(2)]
+    seconds = kernels._time_in_turn(path, turn, [math.inf, math.inf])
+    assert calls[:6] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]  # the warm-up round, then as many more
+    assert len(calls) % 6 == 0 and calls[6:12] == calls[:6]
+    assert 0.001 <= seconds[0] < seconds[1] and seconds[1] >= 0.002
+
+
+def test_a_plan_measures_a_blocks_layers_in_turn_and_the_lm_head_alone(monkeypatch):
+    """The block's four linears are measured together, in the model's order (decode calls them one after
+    another); the lm_head, wider than WIDE_OUTPUTS, alone."""
+    monkeypatch.setattr(kernels, "WIDE_OUTPUTS", 512)
+    config = GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=1000, n_positions=32)
+    with torch.device("meta"):
+        model = GPT(config)
+    turns = []
+    real = kernels.measure_shapes
+    monkeypatch.setattr(kernels, "measure_shapes", lambda precision, shapes: turns.append((precision, shapes))
+                        or real(precision, shapes))
+    fake_clock(monkeypatch, lambda path, copies, x: 1e-6 * x.size(0))
+    plan = kernels.plan_for(model, "float32", "cpu")
+    assert turns == [("float32", [(192, 64, None), (64, 64, None), (256, 64, "gelu_tanh"), (64, 256, None)]),
+                     ("float32", [(1000, 64, None)])]
+    assert plan.source == "measured" and len(plan.choices) == 5
+    assert kernels.plan_for(model, "float32", "cpu").choices == plan.choices  # read back from the cache
 
 
 def test_a_slow_first_call_is_never_the_only_sample():

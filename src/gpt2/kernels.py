@@ -14,10 +14,11 @@ and each of its paths is
      its precision's rounding, as a kernel with a layout bug would be, is rejected), then
   2. timed at 1 row (decode), 8 rows (batched decode), 64 rows (short: a short prompt, 33-127 rows),
      128 rows (prefill) and 512 rows (long: a long prompt or a server's prefill chunk, from 256 rows),
-     keeping the fastest of a few repeats (other work only adds time). Decode and batch rotate over
-     enough copies of the weight to exceed the cache this process gets (measured once:
-     effective_cache_bytes), so they read memory as a real model does; short, prefill and long are
-     bound by FLOPs and use one copy.
+     keeping the fastest of a few repeats (other work only adds time). Decode and batch call the
+     layers of a block in turn, as a decode step does (the block's linears are measured together, in
+     the model's order; the lm_head alone), over enough copies that a round exceeds the cache this
+     process gets (measured once: effective_cache_bytes), so they read memory as a real model does;
+     short, prefill and long are bound by FLOPs and use one copy.
 Per format, each regime takes its fastest path. The format kept is, among those within 5% of the fastest
 at decode (a generated token costs a decode call; a prompt is paid once), the one whose regimes are,
 summed, closest to the best of each (time / best time, added over the five regimes). A combined format
@@ -25,15 +26,17 @@ summed, closest to the best of each (time / best time, added over the five regim
 parts', and it replaces the format kept where it makes some regime COMBINED_GAIN faster (its parts
 slower at decode are then still timed at batch, on the paths it takes from them).
 
-What keeps measuring to seconds (124M on 2 cores, a fresh cache: bf16 ~2.5 s, float32 ~4-5 s, int8
-~5.5-6.5 s, int4 ~3 s on an AMD EPYC; float32 and bf16 3.6-3.9 s, int8 10.4 s, int4 2.5 s on an Intel
-Xeon, whole commands): each regime is measured across every format before the next, formats slower at
+What keeps measuring to seconds (GPT-2 124M on 2 cores, a fresh cache, loading included: float32
+2.4 s, bf16 2.2 s, int4 2.0 s, int8 8.9 s on an Intel Xeon with AMX): a block's layers share one
+rotation, so each needs copies for its share of it only (int8: 19 copies a layer, not 64); each regime
+is measured across every format before the next, formats slower at
 decode stop there, and a path that provably cannot win in its format is skipped (_may_win); a path two
-formats share on the same tensors is measured once (WeightFormat.same_weights_as); paths that dequantize the whole weight per call are timed only at 64,
-128 and 512 rows; a layer wider than WIDE_OUTPUTS (the lm_head) times those three regimes on its leading
-outputs and scales the times by its width; checks compare the edges of long calls and wide layers
-against one float64 reference per distinct weight, and at 64, 128 and 512 rows the check's call is the
-first sample. What is left is mostly packing the cold copies (int8's u8s8 engines: ~5 ms a copy).
+formats share on the same tensors is measured once (WeightFormat.same_weights_as); paths that dequantize
+the whole weight per call are timed only at 64, 128 and 512 rows; a layer wider than WIDE_OUTPUTS (the
+lm_head) times those three regimes on its leading outputs and scales the times by its width; checks
+compare the edges of long calls and wide layers against one float64 reference per distinct weight, and
+at 64, 128 and 512 rows the check's call is the first sample. What is left is mostly packing cold
+copies of the int8 lm_head for each u8s8 engine (~150 ms a copy, 4 copies each: ~4 s of int8's 8.9).
 
 The KV cache's dtype is chosen here too (kv_cache_dtype, for load_for_inference's kv_dtype="auto"): bf16
 where the keys are bf16 numbers already and one-query attention over a bf16 cache measures no slower.
@@ -61,7 +64,7 @@ from gpt2.quantize import (CPU_FORMATS, KV_DTYPES, REGIMES, WeightFormat, _Packe
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 12 # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
+CACHE_VERSION = 13 # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
                    # 4: the bf16 oneDNN format keeps only its packed weight (no float32-GEMM path);
                    # 5: entries keyed by the layer's own precision (int4 and int8 plans share the int8 lm_head);
                    # 6: int4's "dequant bf16" writes a (K, N) weight and fuses bias and GELU; paths cast their
@@ -72,7 +75,8 @@ CACHE_VERSION = 12 # 2: decode copies own their storage (version 1 timed float32
                    # only sample (_time_path); 9: int4's "dequant bf16" works in blocks of DEQUANT_BLOCK weights;
                    # 10: the decode span counts a copy as the weight at its precision's width (_copies);
                    # 11: int8's two-engine format (WeightFormat.parts; _choose_combined); 12: int4's
-                   # "dequant bf16" reads AVX2's and plain CPUs' packing too (quantize.int4pack_layout)
+                   # "dequant bf16" reads AVX2's and plain CPUs' packing too (quantize.int4pack_layout);
+                   # 13: decode and batch call a block's layers in turn (measure_shapes), not one shape alone
 # The files cached_measurement keeps (training.json, lm_head.json, cpu_cache.json) carry their own version:
 # a change to the kernel plans above leaves them valid.
 MEASUREMENT_CACHE_VERSION = 5
@@ -274,18 +278,27 @@ def plan_for(model, precision: str, device_type: str | None = None, cache_path: 
     machine = machine_key()
     cache_path = cache_path or default_cache_path()
     entries = _read_cache(cache_path)
-    choices, missing = {}, []
-    for key, shape in shapes.items():
-        entry = _entry_key(machine, *shape)
-        if entry in entries:
-            choices[key] = Choice(**entries[entry])
-        else:
-            choices[key] = measure_shape(*shape)
-            entries[entry] = asdict(choices[key])
-            missing.append(key)
+    missing = [key for key, shape in shapes.items() if _entry_key(machine, *shape) not in entries]
+    for turn in _turns(missing, shapes):
+        measured = measure_shapes(shapes[turn[0]][0], [shapes[key][1:] for key in turn])
+        for key, choice in zip(turn, measured):
+            entries[_entry_key(machine, *shapes[key])] = asdict(choice)
     if missing:
         _write_cache(cache_path, entries)
+    choices = {key: Choice(**entries[_entry_key(machine, *shape)]) for key, shape in shapes.items()}
     return Plan(precision, machine, choices, "measured" if missing else "cache")
+
+
+def _turns(keys: list[str], shapes: dict) -> list[list[str]]:
+    """The layers measured together (measure_shapes), of shapes' key -> (precision, out, in, activation):
+    a precision's layers up to WIDE_OUTPUTS outputs, in the model's order (a block's linears, which
+    every decode step calls one after another, twelve times over in GPT-2 124M), and each wider layer
+    alone (the lm_head, called once a step, after the last block)."""
+    turns = {}
+    for key in keys:
+        precision, out_features, *_ = shapes[key]
+        turns.setdefault((precision,) if not _is_wide(out_features) else (precision, key), []).append(key)
+    return list(turns.values())
 
 
 def _entry_key(machine: dict, precision: str, out_features: int, in_features: int, activation: str | None) -> str:
@@ -353,74 +366,136 @@ class Candidate:
 # WIDE_OUTPUTS outputs, plus its width modulo 64 (so that a partial block stays partial), and scales
 # the times up by the width. Decode and batch, bound by memory, always time the whole layer.
 WIDE_OUTPUTS = 8192
+
+
+def _is_wide(out_features: int) -> bool:
+    return out_features > WIDE_OUTPUTS + out_features % 64
 COLD_REGIMES = ("decode", "batch")  # timed over cold copies; the others over one warm copy
 
 
-@torch.inference_mode()
+@dataclass
+class _Layer:
+    """One linear shape being measured: its random weight's candidates, the inputs, and what was found."""
+    shape: tuple  # (out_features, in_features, activation)
+    inputs: dict  # regime -> (ROWS[regime], in_features) in the kernel dtype
+    whole: dict  # format name -> Candidate for the whole layer, with its cold copies (decode, batch)
+    narrow: dict  # format name -> Candidate for short, prefill and long (a wide layer's leading outputs)
+    scale: float  # out_features / the narrow candidates' outputs
+    rejected: dict = field(default_factory=dict)  # "format/path" -> why
+    timings: dict = field(default_factory=dict)  # format -> path -> regime -> us
+
+
 def measure_shape(precision: str, out_features: int, in_features: int, activation: str | None) -> Choice:
-    """Check and time every format and path for one linear shape; keep the best format (see the docstring).
+    """measure_shapes for one layer alone."""
+    return measure_shapes(precision, [(out_features, in_features, activation)])[0]
+
+
+@torch.inference_mode()
+def measure_shapes(precision: str, shapes: list[tuple[int, int, str | None]]) -> list[Choice]:
+    """Check and time every format and path for each linear shape (out, in, activation); keep the best format
+    of each (see the docstring). The shapes are layers a decode step calls one after another (a block's, in
+    the model's order): decode and batch call a path on each of them in turn, over cold copies.
 
     Every format is packed first and the regimes are measured in turn, each across all formats. After
     decode, only the formats _choose may keep (within DECODE_SLACK of the fastest there) go on, and
-    within each of them a path is skipped once another of its paths has shown it cannot win (_may_win)."""
+    within each of them a path is skipped once another of its paths has shown it cannot win (_may_win);
+    at decode and batch a path that some layer needs is timed on every layer it runs on, so that each
+    round still reads the whole block."""
+    round_weights = sum(out * inn for out, inn, _ in shapes)  # what decode's rotation reads once a round
+    layers = [_layer(precision, shape, round_weights) for shape in shapes]
+    formats = [f for f in formats_for(precision, "cpu") if not f.parts]  # a combined format: through its parts
+    combined = [f for f in formats_for(precision, "cpu") if f.parts]
+    for regime in REGIMES:  # decode first: it decides which formats go on (_fast_at_decode)
+        cold = regime in COLD_REGIMES
+        running = {id(layer): None if regime == "decode" else _fast_at_decode(layer.timings) for layer in layers}
+        parts_only = {id(layer): _parts_to_time(combined, running[id(layer)]) if regime == "batch" else {}
+                      for layer in layers}
+        for fmt in formats:
+            first = next(iter(fmt.paths))
+            for name, path in fmt.paths.items():
+                if (regime != "decode" and name in fmt.one_row_paths) or (cold and name in fmt.many_row_paths):
+                    continue
+                due, turn = [], []  # the layers that need this path timed; those it is timed on
+                for layer in layers:
+                    c = (layer.whole if cold else layer.narrow).get(fmt.name)
+                    key = f"{fmt.name}/{name}"
+                    if c is None or key in layer.rejected:
+                        continue
+                    twin = c.twin.name if c.twin is not None and c.twin.paths.get(name) is path else None
+                    if twin is not None and name != first and (
+                            f"{twin}/{name}" in layer.rejected or regime in layer.timings.get(twin, {}).get(name, {})):
+                        # the same kernel on the same tensors, checked or timed in the twin format: reuse its result
+                        if f"{twin}/{name}" in layer.rejected:
+                            layer.rejected[key] = layer.rejected[f"{twin}/{name}"]
+                        else:
+                            elapsed = layer.timings[twin][name][regime]
+                            layer.timings.setdefault(fmt.name, {}).setdefault(name, {})[regime] = elapsed
+                        continue
+                    own = {fmt.name: layer.timings.get(fmt.name, {})}  # a path competes with its own format's
+                    runs, parts = running[id(layer)], parts_only[id(layer)]
+                    if ((runs is None or fmt.name in runs or name in parts.get(fmt.name, ()))
+                            and _may_win(regime, own[fmt.name].get(name, {}), own, always=name == first)):
+                        due.append(layer)
+                    turn.append(layer)
+                if due:
+                    _measure_path(fmt, name, path, regime, turn if cold else due)
+    choices = []
+    for layer in layers:
+        timings = {f: paths for f, paths in layer.timings.items() if paths}
+        if not timings:
+            out, inn, _ = layer.shape
+            raise RuntimeError(f"no {precision} kernel passed its check for {out}x{inn}: {layer.rejected}")
+        choices.append(_choose_combined(_choose(timings, layer.rejected), combined))
+    return choices
+
+
+def _layer(precision: str, shape: tuple, round_weights: int) -> _Layer:
+    """A layer's random weight (the same for a shape wherever it is measured), packed in every format."""
+    out_features, in_features, activation = shape
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(out_features, in_features, generator=gen) * 0.02
     bias = torch.randn(out_features, generator=gen) * 0.02
     dtype = kernel_dtype(precision)
     inputs = {r: torch.randn(n, in_features, generator=gen).to(dtype) for r, n in ROWS.items()}
     rejected = {}
-    whole = _candidates(precision, w, bias, activation, rejected, cold_copies=True)
-    narrow_outputs = WIDE_OUTPUTS + out_features % 64
-    if out_features > narrow_outputs:
-        narrow = _candidates(precision, w[:narrow_outputs], bias[:narrow_outputs], activation, rejected,
-                             cold_copies=False)
+    whole = _candidates(precision, w, bias, activation, rejected, round_weights)
+    if _is_wide(out_features):
+        narrow_outputs = WIDE_OUTPUTS + out_features % 64
+        narrow = _candidates(precision, w[:narrow_outputs], bias[:narrow_outputs], activation, rejected, None)
     else:
         narrow, narrow_outputs = whole, out_features
-    combined = [f for f in formats_for(precision, "cpu") if f.parts]
-    timings = {}  # format -> path -> regime -> us
-    for regime in REGIMES:  # decode first: it decides which formats go on (_fast_at_decode)
-        cold = regime in COLD_REGIMES
-        candidates, scale = (whole, 1.0) if cold else (narrow, out_features / narrow_outputs)
-        running = None if regime == "decode" else _fast_at_decode(timings)
-        parts_only = _parts_to_time(combined, running) if regime == "batch" else {}
-        for c in candidates:
-            fmt = c.format
-            if running is not None and fmt.name not in running and fmt.name not in parts_only:
-                continue
-            first = next(iter(fmt.paths))
-            own = {fmt.name: timings.get(fmt.name, {})}  # a path competes with its own format's paths
-            for name, path in fmt.paths.items():
-                key = f"{fmt.name}/{name}"
-                if (key in rejected or (regime != "decode" and name in fmt.one_row_paths)
-                        or (cold and name in fmt.many_row_paths)
-                        or (fmt.name in parts_only and name not in parts_only[fmt.name])):
-                    continue
-                times = timings.get(fmt.name, {}).get(name, {})
-                twin = c.twin.name if c.twin is not None and c.twin.paths.get(name) is path else None
-                if twin is not None and name != first and (
-                        f"{twin}/{name}" in rejected or regime in timings.get(twin, {}).get(name, {})):
-                    # the same kernel on the same tensors, checked or timed in the twin format: reuse its result
-                    why = rejected.get(f"{twin}/{name}")
-                    elapsed = timings.get(twin, {}).get(name, {}).get(regime)
-                elif _may_win(regime, times, own, always=name == first):
-                    dynamic = name in fmt.dynamic_paths
-                    why, checked = _check(path, c.tensors, c.bias, activation, c.expected, inputs[regime], dynamic)
-                    # decode and batch rotate over cold copies; short, prefill and long call the one copy the check
-                    # has just called, so that call is their warm-up and their first sample
-                    elapsed = None if why else scale * 1e6 * _time_path(
-                        path, c.copies if cold else c.copies[:1], c.bias, activation, inputs[regime],
-                        _best(own, regime) / scale, first_sample=None if cold else checked)
-                else:
-                    continue
-                if why:
-                    rejected[key] = why
-                    timings.get(fmt.name, {}).pop(name, None)
-                elif elapsed is not None:
-                    timings.setdefault(fmt.name, {}).setdefault(name, {})[regime] = elapsed
-    timings = {f: paths for f, paths in timings.items() if paths}
-    if not timings:
-        raise RuntimeError(f"no {precision} kernel passed its check for {out_features}x{in_features}: {rejected}")
-    return _choose_combined(_choose(timings, rejected), combined)
+    return _Layer(shape, inputs, {c.format.name: c for c in whole}, {c.format.name: c for c in narrow},
+                  out_features / narrow_outputs, rejected)
+
+
+def _measure_path(fmt, name: str, path, regime: str, layers: list[_Layer]) -> None:
+    """Check one path at a regime on each layer, then time it where it passed: at decode and batch on
+    the layers in turn over their cold copies (_time_in_turn); at short, prefill and long on each
+    layer's one copy, whose check call is the warm-up and first sample. Results go into the layers."""
+    cold = regime in COLD_REGIMES
+    key, passed, seconds = f"{fmt.name}/{name}", [], []
+    for layer in layers:
+        c = (layer.whole if cold else layer.narrow)[fmt.name]
+        why, checked = _check(path, c.tensors, c.bias, layer.shape[2], c.expected, layer.inputs[regime],
+                              name in fmt.dynamic_paths)
+        if why:
+            layer.rejected[key] = why
+            layer.timings.get(fmt.name, {}).pop(name, None)
+        else:
+            passed.append(layer)
+            seconds.append(checked)
+    own = [_best({fmt.name: layer.timings.get(fmt.name, {})}, regime) for layer in passed]
+    if cold:
+        turn = [(layer.whole[fmt.name].copies, layer.whole[fmt.name].bias, layer.shape[2], layer.inputs[regime])
+                for layer in passed]
+        elapsed = _time_in_turn(path, turn, own) if turn else []
+    else:
+        elapsed = [layer.scale * _time_path(path, layer.narrow[fmt.name].copies[:1], layer.narrow[fmt.name].bias,
+                                            layer.shape[2], layer.inputs[regime], best / layer.scale,
+                                            first_sample=first)
+                   for layer, best, first in zip(passed, own, seconds)]
+    for layer, t in zip(passed, elapsed):
+        layer.timings.setdefault(fmt.name, {}).setdefault(name, {})[regime] = 1e6 * t
 
 
 def _parts_to_time(combined: list[WeightFormat], running: set[str] | None) -> dict[str, set[str]]:
@@ -437,9 +512,10 @@ def _parts_to_time(combined: list[WeightFormat], running: set[str] | None) -> di
 
 
 def _candidates(precision: str, w: torch.Tensor, bias: torch.Tensor, activation: str | None, rejected: dict,
-                cold_copies: bool) -> list[Candidate]:
+                round_weights: int | None) -> list[Candidate]:
     """Every format of the precision packed from w (N, K), with its reference; a format whose packing
-    fails goes into `rejected`. cold_copies: also the copies decode and batch rotate over."""
+    fails goes into `rejected`. round_weights: also the cold copies decode and batch rotate over, for a
+    rotation reading that many weights a round (_copies); None: the packed tensors only."""
     dtype = kernel_dtype(precision)
     b = bias.to(dtype)
     candidates = []
@@ -461,21 +537,22 @@ def _candidates(precision: str, w: torch.Tensor, bias: torch.Tensor, activation:
             expected = Expected(fmt, w, tensors, b.double(), activation, precision)
             # Formats computing with one weight (int8's three) share one: its products are the costly part of a check.
             expected = next((c.expected for c in candidates if c.expected.same_as(expected)), expected)
-        copies = _copies(fmt, w, bias, tensors) if cold_copies else [tensors]
+        copies = [tensors] if round_weights is None else _copies(fmt, w, bias, tensors, round_weights)
         candidates.append(Candidate(fmt, tensors, copies, expected, b, None if twin is None else twin.format))
     return candidates
 
 
-def _copies(fmt, w, bias, tensors) -> list[dict]:
-    """Enough packed copies of one weight to span twice the cache this process gets, the first size that
-    effective_cache_bytes found read at memory speed (decode reads memory):
-    each copy is read again only after the others have pushed it out, as a model's weights are.
-    A copy's size is the weight at its precision's width (WEIGHT_BYTES), what a decode call reads: the
+def _copies(fmt, w, bias, tensors, round_weights: int | None = None) -> list[dict]:
+    """Enough packed copies of one weight that a rotation reading round_weights weights a round (this
+    layer's and the others' it is timed in turn with; default: this one's) spans twice the cache this
+    process gets, the first size that effective_cache_bytes found read at memory speed (decode reads
+    memory): each copy is read again only after the others have pushed it out, as a model's weights are.
+    A weight's size is its precision's width (WEIGHT_BYTES), what a decode call reads: the
     tensors' own sizes mislead. MKL's format keeps the plain weight beside the packed one and reads only
     the packed one, whose tensor claims 2.6x the weight's bytes: 8 copies then spanned under the cache,
     and MKL timed 154 us for 2304x768 float32 (47 GB/s, on a Xeon whose memory reads 20-28), 300 us
     past it, and the same in a model's decode as a plain F.linear."""
-    nbytes = w.numel() * WEIGHT_BYTES[fmt.precision]
+    nbytes = (round_weights or w.numel()) * WEIGHT_BYTES[fmt.precision]
     n = max(1, min(64, math.ceil(2 * effective_cache_bytes() / max(nbytes, 1))))
     # Each copy owns its storage: a format that keeps the weight as it is (float32 plain) would otherwise
     # hand back the same storage every time, which then stays in cache and times as ~4x faster. Plain
@@ -632,6 +709,34 @@ def _time_path(path, copies: list[dict], b, activation, x, best_so_far: float = 
         if len(samples) >= 2 and min(samples) > 3 * best_so_far:  # one sample may be another process's spike
             break
     return min(samples)
+
+
+def _time_in_turn(path, turn: list[tuple], best_so_far: list[float]) -> list[float]:
+    """Seconds a call of the path takes on each layer of `turn` ((copies, b, activation, x) each, as many
+    copies each), called on the layers in turn, one copy of each a round, as a decode step calls a
+    block's linears (the one before is another shape's): the fastest of a few repeats of each layer's
+    mean, after one warm-up round per copy. Repeats stop as _time_path's do (all layers 3x slower than
+    best_so_far, each layer's best of its format so far, after two)."""
+    tensors = [[_unwrap(c) for c in copies] for copies, *_ in turn]
+    rounds = len(tensors[0])
+
+    def sweep() -> list[float]:
+        spent = [0.0] * len(turn)
+        for i in range(rounds):
+            for j, (_, b, activation, x) in enumerate(turn):
+                start = time.perf_counter()
+                path(x, tensors[j][i], b, activation)
+                spent[j] += time.perf_counter() - start
+        return [s / rounds for s in spent]
+
+    sweep()  # oneDNN primitive caches, first use of each copy
+    samples, spent = [], 0.0
+    while len(samples) < REPEATS and (len(samples) < 2 or spent < 0.05) and spent < LONG_SAMPLE_S:
+        samples.append(sweep())
+        spent += rounds * sum(samples[-1])
+        if len(samples) >= 2 and all(min(s[j] for s in samples) > 3 * best for j, best in enumerate(best_so_far)):
+            break
+    return [min(s[j] for s in samples) for j in range(len(turn))]
 
 
 # A format this much slower at decode than the fastest one there is not kept, whatever it gains elsewhere.
