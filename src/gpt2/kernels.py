@@ -366,11 +366,11 @@ class Candidate:
 # WIDE_OUTPUTS outputs, plus its width modulo 64 (so that a partial block stays partial), and scales
 # the times up by the width. Decode and batch, bound by memory, always time the whole layer.
 WIDE_OUTPUTS = 8192
+COLD_REGIMES = ("decode", "batch")  # timed over cold copies; the others over one warm copy
 
 
 def _is_wide(out_features: int) -> bool:
     return out_features > WIDE_OUTPUTS + out_features % 64
-COLD_REGIMES = ("decode", "batch")  # timed over cold copies; the others over one warm copy
 
 
 @dataclass
