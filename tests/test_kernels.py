@@ -658,6 +658,26 @@ def test_a_plan_measures_a_blocks_layers_in_turn_and_the_lm_head_alone(monkeypat
     assert kernels.plan_for(model, "float32", "cpu").choices == plan.choices  # read back from the cache
 
 
+def test_a_path_wrong_on_one_layer_of_a_turn_is_rejected_there_only(monkeypatch):
+    """Layers measured in turn are checked one by one: a path wrong at one shape is rejected for that
+    layer and still checked, timed and kept where it is right."""
+    from gpt2 import quantize
+
+    def wrong_at_32_outputs(x, t, b, a):
+        y = F.linear(x, t["weight"], b)
+        return y + 1 if y.size(-1) == 32 else y
+    wrong = quantize.WeightFormat("wrong at 32", "float32", lambda w, b: {"weight": w}, quantize._plain_reference,
+                                  {"F.linear": wrong_at_32_outputs})
+    monkeypatch.setattr(quantize, "CPU_FORMATS", [wrong])  # the only candidate
+    fake_clock(monkeypatch, lambda path, copies, x: 1e-6 * x.size(0))
+    with pytest.raises(RuntimeError, match="no float32 kernel passed its check for 32x64"):
+        kernels.measure_shapes("float32", [(48, 64, None), (32, 64, None)])
+    monkeypatch.setattr(quantize, "CPU_FORMATS", [wrong, format_object("float32", "plain")])
+    right, wrong_there = kernels.measure_shapes("float32", [(48, 64, None), (32, 64, None)])
+    assert set(right.timings_us["wrong at 32"]["F.linear"]) == set(kernels.REGIMES)  # timed where it is right
+    assert "wrong at 32/F.linear" in wrong_there.rejected and wrong_there.format == "plain"
+
+
 def test_a_slow_first_call_is_never_the_only_sample():
     """The check's call is a path's first at that shape, which may include one-time work (oneDNN
     generating kernels: 129 ms against 3.9 ms after, seen on an Intel Xeon): another call is always timed."""
