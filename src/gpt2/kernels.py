@@ -53,7 +53,7 @@ import logging
 import math
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -183,6 +183,7 @@ class Choice:
     paths: dict[str, str]                                # regime -> path
     timings_us: dict[str, dict[str, dict[str, float]]]   # format -> path -> regime -> microseconds
     rejected: dict[str, str] = field(default_factory=dict)  # "format/path" -> why
+    turn: list[str] = field(default_factory=list)  # the shapes decode and batch were timed with, in turn
 
 
 @dataclass
@@ -200,7 +201,7 @@ class Plan:
     def choices_dict(self) -> dict:
         return {"machine": self.machine, "source": self.source,
                 "choices": {k: {"format": c.format, "paths": c.paths, "timings_us": c.timings_us,
-                                "rejected": c.rejected} for k, c in self.choices.items()}}
+                                "rejected": c.rejected, "turn": c.turn} for k, c in self.choices.items()}}
 
     def describe(self) -> str:
         m = self.machine
@@ -208,6 +209,8 @@ class Plan:
                  f"torch {m['torch']}, {m['threads']} threads), {self.source}:"]
         for key, c in self.choices.items():
             lines.append(f"  {key}: {c.format}  " + "  ".join(f"{r}={c.paths[r]}" for r in REGIMES))
+            if len(c.turn) > 1:
+                lines.append(f"      decode and batch timed in turn, as a decode step calls them: {' -> '.join(c.turn)}")
             for fmt, paths in c.timings_us.items():
                 for path, t in paths.items():
                     lines.append(f"      {fmt:>18} / {path:<13} " + "  ".join(
@@ -446,7 +449,8 @@ def measure_shapes(precision: str, shapes: list[tuple[int, int, str | None]]) ->
             out, inn, _ = layer.shape
             raise RuntimeError(f"no {precision} kernel passed its check for {out}x{inn}: {layer.rejected}")
         choices.append(_choose_combined(_choose(timings, layer.rejected), combined))
-    return choices
+    turn = [shape_key(*shape, precision, precision) for shape in shapes]
+    return [replace(choice, turn=turn) for choice in choices]
 
 
 def _layer(precision: str, shape: tuple, round_weights: int) -> _Layer:
