@@ -418,10 +418,10 @@ def measure_shapes(precision: str, shapes: list[tuple[int, int, str | None]]) ->
             for name, path in fmt.paths.items():
                 if (regime != "decode" and name in fmt.one_row_paths) or (cold and name in fmt.many_row_paths):
                     continue
+                key = f"{fmt.name}/{name}"
                 due, turn = [], []  # the layers that need this path timed; those it is timed on
                 for layer in layers:
                     c = (layer.whole if cold else layer.narrow).get(fmt.name)
-                    key = f"{fmt.name}/{name}"
                     if c is None or key in layer.rejected:
                         continue
                     twin = c.twin.name if c.twin is not None and c.twin.paths.get(name) is path else None
@@ -430,6 +430,7 @@ def measure_shapes(precision: str, shapes: list[tuple[int, int, str | None]]) ->
                         # the same kernel on the same tensors, checked or timed in the twin format: reuse its result
                         if f"{twin}/{name}" in layer.rejected:
                             layer.rejected[key] = layer.rejected[f"{twin}/{name}"]
+                            layer.timings.get(fmt.name, {}).pop(name, None)
                         else:
                             elapsed = layer.timings[twin][name][regime]
                             layer.timings.setdefault(fmt.name, {}).setdefault(name, {})[regime] = elapsed
