@@ -91,22 +91,25 @@ def test_int8_per_channel_error_is_half_a_step():
 def test_int8_engines_pack_on_threads_at_once_and_leave_the_process_engine_alone():
     """Packing for fbgemm and for oneDNN sets the process-wide quantized engine for one call: two threads
     doing it at once (a model and its draft loading) must each pack what they asked for, and leave the
-    engine as it was (unlocked, one thread restored its "previous" engine after the other had set its own)."""
+    engine as it was (unlocked, one thread restored its "previous" engine after the other had set its own),
+    and Python's warning filters too (catch_warnings on two threads at once left a filter behind)."""
+    import warnings
     from concurrent.futures import ThreadPoolExecutor
     engines = [f.name for f in CPU_FORMATS if f.name.startswith("dynamic ") and not f.parts and f.available()]
     if len(engines) < 2:
         pytest.skip("needs both u8s8 engines (one saturates on this CPU: quantize._u8s8_sums_exactly)")
     w = torch.randn(96, 64) * 0.02
     x = torch.randn(3, 64)
-    before = torch.backends.quantized.engine
+    before, filters = torch.backends.quantized.engine, list(warnings.filters)
 
     def pack(name):
         fmt = format_named("int8", name)
-        return [fmt.pack(w, None) for _ in range(40)]
+        return [fmt.pack(w, None) for _ in range(100)]
 
     with ThreadPoolExecutor(len(engines)) as pool:
         packed = dict(zip(engines, pool.map(pack, engines)))
     assert torch.backends.quantized.engine == before
+    assert warnings.filters == filters
     for name, copies in packed.items():  # each copy computes what one packed alone on this thread does
         alone = torch.ops.quantized.linear_dynamic(x, format_named("int8", name).pack(w, None)["packed"].obj)
         assert all(torch.equal(torch.ops.quantized.linear_dynamic(x, t["packed"].obj), alone) for t in copies), name

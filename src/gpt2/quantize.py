@@ -373,14 +373,16 @@ def _prepack_int8(engine: str):
     """{q, scales, ...} -> the same and the engine's packed u8s8 weight, made from that q and s."""
     def prepack(tensors):
         q, s = tensors["q"], tensors["scales"]
-        with warnings.catch_warnings():
-            # torch 2.13 warns that quantized tensor types are deprecated, on every load of an int8 model;
-            # the packed u8s8 kernels still take them, and the kernel tests fail if that ever stops.
-            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
-            qw = torch._make_per_channel_quantized_tensor(q, s.double(), torch.zeros_like(s, dtype=torch.long), 0)
         # linear_prepack packs for the process-wide engine: set it for this call only, under a lock, so
-        # that two threads packing for different engines (a model and its draft) never swap them.
+        # that two threads packing for different engines (a model and its draft) never swap them. The
+        # lock also covers catch_warnings, which saves and restores Python's global filter list: two
+        # threads inside it at once left one's "ignore" filter behind.
         with _QUANTIZED_ENGINE_LOCK:
+            with warnings.catch_warnings():
+                # torch 2.13 warns that quantized tensor types are deprecated, on every load of an int8 model;
+                # the packed u8s8 kernels still take them, and the kernel tests fail if that ever stops.
+                warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+                qw = torch._make_per_channel_quantized_tensor(q, s.double(), torch.zeros_like(s, dtype=torch.long), 0)
             previous = torch.backends.quantized.engine
             torch.backends.quantized.engine = engine
             try:
