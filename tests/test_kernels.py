@@ -660,7 +660,8 @@ def test_a_plan_measures_a_blocks_layers_in_turn_and_the_lm_head_alone(monkeypat
     assert plan.source == "measured" and len(plan.choices) == 5
     block = ["192x64", "64x64", "256x64+gelu_tanh", "64x256"]
     assert all(plan.choices[key].turn == block for key in block) and plan.choices["1000x64"].turn == ["1000x64"]
-    assert "timed in turn, as a decode step calls them: 192x64 -> 64x64 -> 256x64+gelu_tanh -> 64x256" in plan.describe()
+    assert ("timed in turn, as a decode step calls them: 192x64 -> 64x64 -> 256x64+gelu_tanh -> 64x256"
+            in plan.describe())
     assert kernels.plan_for(model, "float32", "cpu").choices == plan.choices  # read back from the cache
 
 

@@ -210,7 +210,8 @@ class Plan:
         for key, c in self.choices.items():
             lines.append(f"  {key}: {c.format}  " + "  ".join(f"{r}={c.paths[r]}" for r in REGIMES))
             if len(c.turn) > 1:
-                lines.append(f"      decode and batch timed in turn, as a decode step calls them: {' -> '.join(c.turn)}")
+                turn = " -> ".join(c.turn)
+                lines.append(f"      decode and batch timed in turn, as a decode step calls them: {turn}")
             for fmt, paths in c.timings_us.items():
                 for path, t in paths.items():
                     lines.append(f"      {fmt:>18} / {path:<13} " + "  ".join(
