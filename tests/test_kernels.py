@@ -49,11 +49,8 @@ def format_object(precision: str, name: str):
 
 def fake_clock(monkeypatch, seconds):
     """Every timing made up: seconds(path, copies, x), for a call of the path on those copies with rows x,
-    at the regimes timed on one warm copy (_time_path) and those timed in turn over cold copies
-    (_time_in_turn: each layer of the turn)."""
-    monkeypatch.setattr(kernels, "_time_path", lambda path, copies, b, activation, x, *rest, **kw:
-                        seconds(path, copies, x))
-    monkeypatch.setattr(kernels, "_time_in_turn", lambda path, turn, best_so_far:
+    for each layer _time_in_turn times (over cold copies, or over one warm copy)."""
+    monkeypatch.setattr(kernels, "_time_in_turn", lambda path, turn, best_so_far, first_samples=None:
                         [seconds(path, copies, x) for copies, b, activation, x in turn])
 
 
@@ -690,7 +687,7 @@ def test_a_slow_first_call_is_never_the_only_sample():
     generating kernels: 129 ms against 3.9 ms after, seen on an Intel Xeon): another call is always timed."""
     calls = []
     path = lambda x, t, b, activation: calls.append(x)
-    assert kernels._time_path(path, [{}], None, None, torch.zeros(1), first_sample=10.0) < 10.0
+    assert kernels._time_in_turn(path, [([{}], None, None, torch.zeros(1))], [math.inf], [10.0])[0] < 10.0
     assert len(calls) >= 1
 
 

@@ -72,7 +72,7 @@ CACHE_VERSION = 13 # 2: decode copies own their storage (version 1 timed float32
                    # 7: "short" (33-127 rows, timed at 64); 8: decode's copies span 2x the measured cache
                    # (effective_cache_bytes), not 2x what sysfs says (480 MiB on a Xeon VM: ~30 s to measure);
                    # the format is chosen decode first (_choose); the check's first call is never the
-                   # only sample (_time_path); 9: int4's "dequant bf16" works in blocks of DEQUANT_BLOCK weights;
+                   # only sample (_time_in_turn); 9: int4's "dequant bf16" works in blocks of DEQUANT_BLOCK weights;
                    # 10: the decode span counts a copy as the weight at its precision's width (_copies);
                    # 11: int8's two-engine format (WeightFormat.parts; _choose_combined); 12: int4's
                    # "dequant bf16" reads AVX2's and plain CPUs' packing too (quantize.int4pack_layout);
@@ -84,7 +84,7 @@ ROWS = {"decode": 1, "batch": 8, "short": 64, "prefill": 128, "long": 512}  # th
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2 ** -7, "int8": 2 ** -7, "int4": 2 ** -7}  # relative, see _check
 WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.5}  # per weight, as a decode call reads it
 REPEATS = 5
-LONG_SAMPLE_S = 0.1  # a call this long is timed once (_time_path)
+LONG_SAMPLE_S = 0.1  # a call this long is timed once (_time_in_turn)
 FEATURE_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile")
 
 
@@ -496,9 +496,9 @@ def _measure_path(fmt, name: str, path, regime: str, layers: list[_Layer]) -> No
                 for layer in passed]
         elapsed = _time_in_turn(path, turn, own) if turn else []
     else:
-        elapsed = [layer.scale * _time_path(path, layer.narrow[fmt.name].copies[:1], layer.narrow[fmt.name].bias,
-                                            layer.shape[2], layer.inputs[regime], best / layer.scale,
-                                            first_sample=first)
+        elapsed = [layer.scale * _time_in_turn(
+                       path, [(layer.narrow[fmt.name].copies[:1], layer.narrow[fmt.name].bias, layer.shape[2],
+                               layer.inputs[regime])], [best / layer.scale], [first])[0]
                    for layer, best, first in zip(passed, own, seconds)]
     for layer, t in zip(passed, elapsed):
         layer.timings.setdefault(fmt.name, {}).setdefault(name, {})[regime] = 1e6 * t
@@ -685,44 +685,24 @@ def _best(timings: dict, regime: str) -> float:
                default=math.inf)
 
 
-def _time_path(path, copies: list[dict], b, activation, x, best_so_far: float = math.inf,
-               first_sample: float | None = None) -> float:
-    """The fastest of a few repeats of the mean time per call, each repeat one call per copy, after one
-    warm-up call per copy. first_sample: the time of a call just made on the one copy (the check's),
-    which then is both the warm-up and the first sample (a first call is the slowest: the minimum is
-    not lowered by it), followed by at least one more: a first call may include one-time work, such
-    as oneDNN generating its kernels for a new shape (an int4 "dequant bf16" call with GELU at 64 rows
-    took 129 ms the first time and 3.9 ms after).
-
-    The minimum, not the median: other work on the machine only ever adds time, so the fastest repeat
-    is the best estimate of the kernel's own cost. Repeats stop early once they take long, after two
-    when both are 3x slower than the best path so far (it cannot win; one sample may be a spike), and
-    after one timed here that took LONG_SAMPLE_S or more: a scheduler tick (4-8 ms here) moves such a
-    call by a few percent, and a second sample of each long path costs seconds.
-    """
-    unwrapped = [_unwrap(c) for c in copies]
-    for t in unwrapped if first_sample is None else ():  # oneDNN primitive caches, first use of each copy
-        path(x, t, b, activation)
-    samples = [] if first_sample is None else [first_sample]
-    spent = 0.0  # in the samples timed here
-    while len(samples) < REPEATS and (len(samples) < 2 or spent < 0.05) and spent < LONG_SAMPLE_S:
-        start = time.perf_counter()
-        for t in unwrapped:
-            path(x, t, b, activation)
-        elapsed = time.perf_counter() - start
-        spent += elapsed
-        samples.append(elapsed / len(unwrapped))
-        if len(samples) >= 2 and min(samples) > 3 * best_so_far:  # one sample may be another process's spike
-            break
-    return min(samples)
-
-
-def _time_in_turn(path, turn: list[tuple], best_so_far: list[float]) -> list[float]:
+def _time_in_turn(path, turn: list[tuple], best_so_far: list[float],
+                  first_samples: list[float] | None = None) -> list[float]:
     """Seconds a call of the path takes on each layer of `turn` ((copies, b, activation, x) each, as many
     copies each), called on the layers in turn, one copy of each a round, as a decode step calls a
     block's linears (the one before is another shape's): the fastest of a few repeats of each layer's
-    mean, after one warm-up round per copy. Repeats stop as _time_path's do (all layers 3x slower than
-    best_so_far, each layer's best of its format so far, after two)."""
+    mean, after one warm-up round. first_samples: for a turn of one copy a layer, the time of a call
+    just made on each (the check's), which then is both the warm-up and the first sample (a first call
+    is the slowest: the minimum is not lowered by it), followed by at least one more: a first call may
+    include one-time work, such as oneDNN generating its kernels for a new shape (an int4 "dequant
+    bf16" call with GELU at 64 rows took 129 ms the first time and 3.9 ms after).
+
+    The minimum, not the median: other work on the machine only ever adds time, so the fastest repeat
+    is the best estimate of the kernel's own cost. Repeats stop early once they take long, after two
+    when every layer's are 3x slower than best_so_far, its format's best path so far (it cannot win;
+    one sample may be a spike), and after one timed here that took LONG_SAMPLE_S or more: a scheduler
+    tick (4-8 ms here) moves such a call by a few percent, and a second sample of each long path costs
+    seconds.
+    """
     tensors = [[_unwrap(c) for c in copies] for copies, *_ in turn]
     rounds = len(tensors[0])
 
@@ -735,8 +715,10 @@ def _time_in_turn(path, turn: list[tuple], best_so_far: list[float]) -> list[flo
                 spent[j] += time.perf_counter() - start
         return [s / rounds for s in spent]
 
-    sweep()  # oneDNN primitive caches, first use of each copy
-    samples, spent = [], 0.0
+    if first_samples is None:
+        sweep()  # oneDNN primitive caches, first use of each copy
+    samples = [] if first_samples is None else [list(first_samples)]
+    spent = 0.0  # in the samples timed here
     while len(samples) < REPEATS and (len(samples) < 2 or spent < 0.05) and spent < LONG_SAMPLE_S:
         samples.append(sweep())
         spent += rounds * sum(samples[-1])
