@@ -202,8 +202,8 @@ def machine_report() -> None:
     from gpt2.kernels import cpu_features, cpu_model, memory_bandwidth_gbs
     import torch
     bandwidth = memory_bandwidth_gbs()
-    print(f"cpu: {cpu_model()}; {os.cpu_count()} cores; flags: {', '.join(cpu_features())}; "
-          f"no AMX" * (not any(f.startswith("amx") for f in cpu_features())))
+    no_amx = "; no AMX" * (not any(f.startswith("amx") for f in cpu_features()))
+    print(f"cpu: {cpu_model()}; {os.cpu_count()} cores; flags: {', '.join(cpu_features())}{no_amx}")
     print(f"memory read bandwidth: {bandwidth:.1f} GB/s (sum over 512 MiB, best of 5); torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
 
