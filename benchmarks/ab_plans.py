@@ -1,6 +1,6 @@
 """Two kernel plans side by side in the whole model: which one decodes faster on this machine.
 
-    flock -x /tmp/gpt2-bench.lock .venv/bin/python benchmarks/bench_plans.py --dtype int8 \\
+    flock -x /tmp/gpt2-bench.lock .venv/bin/python benchmarks/ab_plans.py --dtype int8 \\
         --edit "50257x768@int8=dynamic onednn" --rows 1 8 --pairs 5
     ... --plans A/kernels.json B/kernels.json     # two kernel caches (kernels.json files) instead
 
@@ -154,7 +154,7 @@ def main():
         return
     if not args.plans and not args.edit:
         ap.error("give --edit (plan B = the cache with those layers changed) or --plans A B")
-    work = Path(tempfile.mkdtemp(prefix="bench_plans_"))
+    work = Path(tempfile.mkdtemp(prefix="ab_plans_"))
     try:
         machine_report()
         args.model_dir = args.model_dir or str(export_model(None, "gpt2", work / "hf"))
