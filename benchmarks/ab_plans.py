@@ -158,7 +158,10 @@ def main():
     try:
         machine_report()
         args.model_dir = args.model_dir or str(export_model(None, "gpt2", work / "hf"))
-        a_dir, b_dir = plan_dirs(args, work)
+        try:
+            a_dir, b_dir = plan_dirs(args, work)
+        except ValueError as e:  # an --edit the cache cannot take
+            raise SystemExit(f"ab_plans.py: {e}") from None
         print(f"{args.dtype}, rows {args.rows}, {args.steps} steps, best of 3 a process; B: "
               + (" ".join(args.edit) or args.plans[1]))
         times = {"A": [], "B": []}
