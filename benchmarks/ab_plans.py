@@ -111,7 +111,8 @@ def plan_dirs(args, work: Path) -> list[Path]:
     if args.plans:
         sources = [json.loads(Path(p).read_text()) for p in args.plans]
     else:
-        measure = [sys.executable, "-m", "gpt2", "info", "--kernels", str(args.model_dir), "--kernels-dtype", args.dtype]
+        measure = [sys.executable, "-m", "gpt2", "info", "--kernels", str(args.model_dir),
+                   "--kernels-dtype", args.dtype]
         subprocess.run(measure, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
         a = json.loads(cache.read_text())
         sources = [a, {**a, "entries": edited(a["entries"], args.edit, args.dtype)}]
