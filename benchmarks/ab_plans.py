@@ -40,17 +40,13 @@ def worker(args) -> dict:
     """In a process whose XDG_CACHE_HOME holds one plan: ms a step at each row count (best of 3)."""
     import time
 
-    import torch
-
     from gpt2.engine import stream
-    from gpt2.kernels import plan_for
-    from gpt2.model import GPT
+    from gpt2.kernels import default_cache_path
     from gpt2.quantize import load_for_inference
+    plan = default_cache_path().read_bytes()
     model = load_for_inference(args.model_dir, args.dtype, "cpu")
-    with torch.device("meta"):
-        source = plan_for(GPT(model.config), args.dtype, "cpu").source
-    if source != "cache":
-        raise SystemExit(f"the plan lacks some of the model's {args.dtype} shapes (it was {source})")
+    if default_cache_path().read_bytes() != plan:  # load_for_inference measured what the plan lacked
+        raise SystemExit(f"the plan lacks some of the model's {args.dtype} layers: it is not the plan given")
 
     def ms_per_step(rows: int) -> float:
         prompts = [[(t + 31 * row) % 50000 for t in PROMPT] for row in range(rows)]
