@@ -36,10 +36,10 @@ the whole weight per call are timed only at 64, 128 and 512 rows; a layer wider 
 lm_head) times those three regimes on its leading outputs and scales the times by its width; checks
 compare the edges of long calls and wide layers against one float64 reference per distinct weight, and
 at 64, 128 and 512 rows the check's call is the first sample. What is left is mostly packing cold
-copies: 3.4 s of int8's 7.9 (cProfile), 1.5 s of it the lm_head's, 3 copies beside the packed one
-for each u8s8 engine at 0.39 s (fbgemm) and 0.12 s (oneDNN) a copy. Cheaper ways to read the lm_head cold (a spacer read, a
-replay of the block) ranked its kernels further from the model than the copies do, checked by running
-the plans in the model (benchmarks/ab_plans.py; BENCHMARKS.md), so the copies stay.
+copies: 3.4 s of int8's 7.9 (cProfile), 1.5 s of it the lm_head's, 3 copies beside the packed one for
+each u8s8 engine at 0.39 s (fbgemm) and 0.12 s (oneDNN) a copy. Cheaper ways to read the lm_head cold
+(a spacer read, a replay of the block) ranked its kernels further from the model than the copies do,
+checked by running the plans in the model (benchmarks/ab_plans.py; BENCHMARKS.md), so the copies stay.
 
 The KV cache's dtype is chosen here too (kv_cache_dtype, for load_for_inference's kv_dtype="auto"): bf16
 where the keys are bf16 numbers already and one-query attention over a bf16 cache measures no slower.
