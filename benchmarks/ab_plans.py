@@ -36,6 +36,11 @@ from bench_cpu_inference import PROMPT, ROOT, export_model, machine_report
 MEASUREMENTS = ("cpu_cache.json", "attention.json")  # cached_measurement files a plan's process reuses
 
 
+def _env(**extra) -> dict:
+    """The environment of a subprocess: this checkout's package first, and `extra`."""
+    return {**os.environ, "PYTHONPATH": str(ROOT / "src"), **extra}
+
+
 def worker(args) -> dict:
     """In a process whose XDG_CACHE_HOME holds one plan: ms a step at each row count (best of 3)."""
     import time
@@ -69,7 +74,7 @@ def edited(entries: dict, edits: list[str], dtype: str) -> dict:
     `dtype` model) in that format, every regime on the format's fastest path in the entry's timings (a
     combined format's read off its parts'). ValueError for a layer the cache lacks, or a format without
     a timing at every regime."""
-    from gpt2.kernels import REGIMES, _combined_paths, _entry_key, _fastest, machine_key
+    from gpt2.kernels import REGIMES, _combined_paths, _entry_key, _fastest, machine_key, runs_at
     from gpt2.quantize import formats_for
     out = dict(entries)
     for edit in edits:
@@ -90,9 +95,7 @@ def edited(entries: dict, edits: list[str], dtype: str) -> dict:
             if any(r in t for t in paths.values()):
                 chosen[r] = _fastest(paths, r)
             else:  # a format that stopped after decode (kernels._choose): the entry's path there, if it has it
-                runs_here = [p for p in [entry["paths"][r], *fmt.paths] if p in fmt.paths
-                             and not (r != "decode" and p in fmt.one_row_paths)
-                             and not (r in ("decode", "batch") and p in fmt.many_row_paths)]
+                runs_here = [p for p in [entry["paths"][r], *fmt.paths] if p in fmt.paths and runs_at(fmt, p, r)]
                 if not runs_here:
                     raise ValueError(f"--edit {edit!r}: {fmt_name!r} has no path for {r}")
                 chosen[r] = runs_here[0]
@@ -109,7 +112,7 @@ def plan_dirs(args, work: Path) -> list[Path]:
     else:
         measure = [sys.executable, "-m", "gpt2", "info", "--kernels", str(args.model_dir),
                    "--kernels-dtype", args.dtype]
-        subprocess.run(measure, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+        subprocess.run(measure, check=True, capture_output=True, env=_env())
         a = json.loads(cache.read_text())
         sources = [a, {**a, "entries": edited(a["entries"], args.edit, args.dtype)}]
     dirs = []
@@ -127,8 +130,7 @@ def plan_dirs(args, work: Path) -> list[Path]:
 def run(args, xdg: Path) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--model", str(args.model_dir), "--dtype", args.dtype,
            "--steps", str(args.steps), "--rows", *map(str, args.rows)] + ["--compile"] * args.compile
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "XDG_CACHE_HOME": str(xdg)}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=_env(XDG_CACHE_HOME=str(xdg)))
     if done.returncode != 0:
         raise SystemExit(f"a plan's process failed:\n{done.stderr[-3000:]}")
     return {int(k): v for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}

@@ -376,6 +376,13 @@ WIDE_OUTPUTS = 8192
 COLD_REGIMES = ("decode", "batch")  # timed over cold copies; the others over one warm copy
 
 
+def runs_at(fmt: WeightFormat, path: str, regime: str) -> bool:
+    """Whether a format's path is measured (and may be chosen) at a regime: a one-row path at decode
+    only, a path that dequantizes the whole weight per call never at decode or batch."""
+    return not ((regime != "decode" and path in fmt.one_row_paths)
+                or (regime in COLD_REGIMES and path in fmt.many_row_paths))
+
+
 def _is_wide(out_features: int) -> bool:
     return out_features > WIDE_OUTPUTS + out_features % 64
 
@@ -420,7 +427,7 @@ def measure_shapes(precision: str, shapes: list[tuple[int, int, str | None]]) ->
         for fmt in formats:
             first = next(iter(fmt.paths))
             for name, path in fmt.paths.items():
-                if (regime != "decode" and name in fmt.one_row_paths) or (cold and name in fmt.many_row_paths):
+                if not runs_at(fmt, name, regime):
                     continue
                 key = f"{fmt.name}/{name}"
                 due, turn = [], []  # the layers that need this path timed; those it is timed on
