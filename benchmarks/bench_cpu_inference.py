@@ -12,6 +12,8 @@ rounds, then each precision's decode ratio to llama.cpp round by round (the two 
 state of a machine whose bandwidth drifts) and its median. Weights are random (speed does not depend on
 them), GPT-2's shapes.
   decode   a 16-token prompt, then N greedy steps; tok/s over the steps only (the prefill not counted)
+  decode @L  the same after an L-token prompt (--long-prompt, 768 by default): each step also reads
+           L to L + N cached keys and values a layer, as a chat with history does
   prefill  one 512-token forward keeping the last position's logits; tok/s = 512 / time
   batch 8  8 prompts decoded together (ours only): tok/s = 8 N / time over the steps
   roofline the measured memory bandwidth / weight bytes a decode step reads: the ceiling in tok/s; % of it,
@@ -48,6 +50,11 @@ LLAMA_BYTES = {"float32": 4, "bfloat16": 2, "int8": 34 / 32, "int4": 18 / 32}
 PROMPT = [464 + 7 * i for i in range(16)]
 
 
+def prompt_of(length: int, row: int = 0) -> list[int]:
+    """A fixed prompt of `length` tokens (PROMPT for 16), different for every row of a batch."""
+    return [(464 + 7 * i + 31 * row) % 50000 for i in range(length)]
+
+
 # ---------------------------------------------------------------------------------------------
 # workers: one contender in one process, printing one JSON line
 # ---------------------------------------------------------------------------------------------
@@ -62,8 +69,8 @@ def worker_ours(args) -> dict:
     from gpt2.quantize import load_for_inference
     model = load_for_inference(args.model_dir, args.precision, "cpu", kv_dtype=args.kv_dtype)
 
-    def decode(batch: int) -> float:
-        prompts = [[(t + 31 * row) % 50000 for t in PROMPT] for row in range(batch)]
+    def decode(batch: int, prompt_length: int = len(PROMPT)) -> float:
+        prompts = [prompt_of(prompt_length, row) for row in range(batch)]
         steps = stream(model, prompts, max_new_tokens=args.decode_steps + 1, ignore_eos=True,
                        compile=bool(args.compile))
         next(steps)  # prefill and the first token: not counted
@@ -85,6 +92,7 @@ def worker_ours(args) -> dict:
         decode(8)  # its own graph
     prefill()
     return {"decode": decode(1), "prefill": max(prefill() for _ in range(2)), "batch8": decode(8),
+            "decode_long": decode(1, args.long_prompt),
             "kv_bytes": torch.empty((), dtype=model.kv_dtype).element_size()}  # kv_dtype "auto" chose this
 
 
@@ -95,9 +103,9 @@ def worker_hf(args) -> dict:
     import transformers
     model = transformers.GPT2LMHeadModel.from_pretrained(args.model_dir, dtype=torch.float32).eval()
 
-    def decode() -> float:
+    def decode(prompt_length: int = len(PROMPT)) -> float:
         with torch.inference_mode():
-            out = model(torch.tensor([PROMPT]), use_cache=True)
+            out = model(torch.tensor([prompt_of(prompt_length)]), use_cache=True)
             past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
             start = time.perf_counter()
             for _ in range(args.decode_steps):
@@ -114,7 +122,7 @@ def worker_hf(args) -> dict:
 
     decode()
     prefill()
-    return {"decode": decode(), "prefill": max(prefill() for _ in range(2))}
+    return {"decode": decode(), "prefill": max(prefill() for _ in range(2)), "decode_long": decode(args.long_prompt)}
 
 
 def worker_llama(args) -> dict:
@@ -126,12 +134,17 @@ def worker_llama(args) -> dict:
     llm = Llama(model_path=args.gguf, n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=threads,
                 n_threads_batch=threads, logits_all=False, verbose=False)
 
-    def decode() -> float:
+    def next_token() -> int:
+        # The last position's logits, read from the context: without logits_all, llama-cpp-python's
+        # `scores` is never written (it holds zeros), so an argmax over it would feed token 0 every step.
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
+
+    def decode(prompt_length: int = len(PROMPT)) -> float:
         llm.reset()
-        llm.eval(PROMPT)
+        llm.eval(prompt_of(prompt_length))
         start = time.perf_counter()
         for _ in range(args.decode_steps):
-            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+            llm.eval([next_token()])
         return args.decode_steps / (time.perf_counter() - start)
 
     def prefill() -> float:
@@ -143,7 +156,7 @@ def worker_llama(args) -> dict:
 
     decode()
     prefill()
-    return {"decode": decode(), "prefill": max(prefill() for _ in range(2))}
+    return {"decode": decode(), "prefill": max(prefill() for _ in range(2)), "decode_long": decode(args.long_prompt)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,7 +256,8 @@ def export_model(src: str | None, preset: str, out: Path) -> Path:
 
 def run_worker(kind: str, args, **extra) -> dict:
     python = str(BENCH_VENV / "bin/python") if "llama" in kind else sys.executable
-    cmd = [python, __file__, "--worker", kind, "--decode-steps", str(args.decode_steps), "--prefill", str(args.prefill)]
+    cmd = [python, __file__, "--worker", kind, "--decode-steps", str(args.decode_steps), "--prefill", str(args.prefill),
+           "--long-prompt", str(args.long_prompt)]
     for key, value in extra.items():
         cmd += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])  # True: a flag
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
@@ -280,9 +294,10 @@ def speed(args, model_dir: Path, gguf_dir: Path, n_weights: int) -> None:
             print(f"  round {r + 1}: {name}: {run} (memory read {before:.1f} GB/s before it, {after:.1f} after)",
                   flush=True)
             before = after
+    L = args.long_prompt
     print(f"\n| contender | decode b1 (tok/s) | % of roofline | prefill {args.prefill} (tok/s) | batch 8 (tok/s) "
-          f"| batch 8 / b1 | vs llama.cpp decode | vs llama.cpp prefill |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          f"| batch 8 / b1 | decode @{L} (tok/s) | vs llama.cpp decode | vs llama.cpp prefill | vs llama.cpp @{L} |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     med = {name: {k: statistics.median(run[k] for run in runs) for k in runs[0]} for name, runs in results.items()}
     for name, kind, extra, bytes_per_weight in contenders:
         m = med[name]
@@ -291,13 +306,14 @@ def speed(args, model_dir: Path, gguf_dir: Path, n_weights: int) -> None:
             fractions = [run["decode"] * n_weights * bytes_per_weight / run["bandwidth"] for run in results[name]]
             roof = f"{100 * statistics.median(fractions):.0f}% of {m['bandwidth'] / (n_weights * bytes_per_weight):.0f}"
         b8 = f"{m['batch8']:.1f} | {m['batch8'] / m['decode']:.2f}x" if "batch8" in m else " | "
-        vs = " | "
+        vs = " |  | "
         if kind == "ours" and not args.no_llama:
             peer = med[f"llama.cpp {LLAMA[extra['precision']]}"]
-            vs = f"{m['decode'] / peer['decode']:.2f}x | {m['prefill'] / peer['prefill']:.2f}x"
+            vs = (f"{m['decode'] / peer['decode']:.2f}x | {m['prefill'] / peer['prefill']:.2f}x | "
+                  f"{m['decode_long'] / peer['decode_long']:.2f}x")
         if "kv_bytes" in m:
             name += f" (KV {'float32' if m['kv_bytes'] == 4 else 'bf16'})"
-        print(f"| {name} | {m['decode']:.1f} | {roof} | {m['prefill']:.0f} | {b8} | {vs} |")
+        print(f"| {name} | {m['decode']:.1f} | {roof} | {m['prefill']:.0f} | {b8} | {m['decode_long']:.1f} | {vs} |")
     if not args.no_llama:
         # Ours and llama.cpp at one precision run back to back in every round, so each round's ratio
         # compares them in one state of the machine (its bandwidth drifts from minute to minute).
@@ -342,6 +358,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--decode-steps", type=int, default=128)
     ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--long-prompt", type=int, default=768, help="decode @L: the prompt's length (L + steps <= 1024)")
     ap.add_argument("--precisions", nargs="+", default=list(OURS), choices=list(OURS))
     ap.add_argument("--compile", action="store_true",
                     help="also run ours with the compiled decode step, at every precision (compiling is not timed)")
@@ -375,8 +392,12 @@ def main():
     config = json.loads((model_dir / "config.json").read_text())
     C, L, V = config["n_embd"], config["n_layer"], config["vocab_size"]
     n_weights = L * 12 * C * C + V * C  # the linears a decode step reads (lm_head included), biases aside
+    if args.long_prompt + args.decode_steps + 1 > config["n_positions"]:
+        raise SystemExit(f"--long-prompt {args.long_prompt} + --decode-steps {args.decode_steps} + 1 exceeds the "
+                         f"model's {config['n_positions']} positions")
     print(f"model: {args.preset} (random weights), {n_weights / 1e6:.1f}M weights read per decode token; "
-          f"decode: 16-token prompt + {args.decode_steps} steps; prefill {args.prefill}")
+          f"decode: 16-token prompt + {args.decode_steps} steps (decode @{args.long_prompt}: a "
+          f"{args.long_prompt}-token prompt); prefill {args.prefill}")
     speed(args, model_dir, work, n_weights)
 
 
