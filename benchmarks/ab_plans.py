@@ -31,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_cpu_inference import PROMPT, ROOT, export_model, machine_report
+from bench_cpu_inference import ROOT, export_model, machine_report, time_decode
 
 MEASUREMENTS = ("cpu_cache.json", "attention.json")  # cached_measurement files a plan's process reuses
 
@@ -43,9 +43,6 @@ def _env(**extra) -> dict:
 
 def worker(args) -> dict:
     """In a process whose XDG_CACHE_HOME holds one plan: ms a step at each row count (best of 3)."""
-    import time
-
-    from gpt2.engine import stream
     from gpt2.kernels import default_cache_path
     from gpt2.quantize import load_for_inference
     plan = default_cache_path().read_bytes()
@@ -54,13 +51,7 @@ def worker(args) -> dict:
         raise SystemExit(f"the plan lacks some of the model's {args.dtype} layers: it is not the plan given")
 
     def ms_per_step(rows: int) -> float:
-        prompts = [[(t + 31 * row) % 50000 for t in PROMPT] for row in range(rows)]
-        steps = stream(model, prompts, max_new_tokens=args.steps + 1, ignore_eos=True, compile=args.compile)
-        next(steps)  # prefill and the first token: not counted
-        start = time.perf_counter()
-        for _ in steps:
-            pass
-        return 1e3 * (time.perf_counter() - start) / args.steps
+        return 1e3 * time_decode(model, rows, args.steps, args.compile) / args.steps
 
     times = {}
     for rows in args.rows:

@@ -55,6 +55,20 @@ def prompt_of(length: int, row: int = 0) -> list[int]:
     return [(464 + 7 * i + 31 * row) % 50000 for i in range(length)]
 
 
+def time_decode(model, rows: int, steps: int, compile: bool, prompt_length: int = len(PROMPT)) -> float:
+    """Seconds our engine takes for `steps` greedy steps of `rows` prompts, the prefill not counted."""
+    import time
+
+    from gpt2.engine import stream
+    prompts = [prompt_of(prompt_length, row) for row in range(rows)]
+    generated = stream(model, prompts, max_new_tokens=steps + 1, ignore_eos=True, compile=compile)
+    next(generated)  # prefill and the first token: not counted
+    start = time.perf_counter()
+    for _ in generated:
+        pass
+    return time.perf_counter() - start
+
+
 # ---------------------------------------------------------------------------------------------
 # workers: one contender in one process, printing one JSON line
 # ---------------------------------------------------------------------------------------------
@@ -64,20 +78,13 @@ def worker_ours(args) -> dict:
 
     import torch
 
-    from gpt2.engine import stream
     from gpt2.kv_cache import KVCache
     from gpt2.quantize import load_for_inference
     model = load_for_inference(args.model_dir, args.precision, "cpu", kv_dtype=args.kv_dtype)
 
     def decode(batch: int, prompt_length: int = len(PROMPT)) -> float:
-        prompts = [prompt_of(prompt_length, row) for row in range(batch)]
-        steps = stream(model, prompts, max_new_tokens=args.decode_steps + 1, ignore_eos=True,
-                       compile=bool(args.compile))
-        next(steps)  # prefill and the first token: not counted
-        start = time.perf_counter()
-        for _ in steps:
-            pass
-        return batch * args.decode_steps / (time.perf_counter() - start)
+        return batch * args.decode_steps / time_decode(model, batch, args.decode_steps, bool(args.compile),
+                                                       prompt_length)
 
     def prefill() -> float:
         ids = torch.arange(args.prefill).view(1, -1) % 50000
@@ -134,10 +141,12 @@ def worker_llama(args) -> dict:
     llm = Llama(model_path=args.gguf, n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=threads,
                 n_threads_batch=threads, logits_all=False, verbose=False)
 
+    n_vocab = llm.n_vocab()
+
     def next_token() -> int:
         # The last position's logits, read from the context: without logits_all, llama-cpp-python's
         # `scores` is never written (it holds zeros), so an argmax over it would feed token 0 every step.
-        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))))
 
     def decode(prompt_length: int = len(PROMPT)) -> float:
         llm.reset()
