@@ -828,7 +828,9 @@ def test_keys_are_bf16_exactly_where_every_c_attn_path_returns_bf16():
         # gpt2 info --kernels decides from the plan alone, without the model (on the meta device there)
         assert plan_keys_are_bf16(plan, model.config) == lossless, f"{fmt.precision} {fmt.name} {path}"
         seen.add((fmt.precision, lossless))
-    assert {("int4", True), ("bfloat16", True), ("float32", False), ("int8", False)} <= seen
+    # int8's c_attn rounds to bf16 whatever its path (quantize.ROUNDS_KEYS_TO); float32 keeps its keys
+    assert {("int4", True), ("bfloat16", True), ("float32", False), ("int8", True)} <= seen
+    assert ("int8", False) not in seen
 
 
 def test_auto_kv_dtype_is_bf16_only_where_lossless_and_measured_no_slower(monkeypatch, tmp_path):
@@ -839,10 +841,11 @@ def test_auto_kv_dtype_is_bf16_only_where_lossless_and_measured_no_slower(monkey
     assert kernels.kv_cache_dtype(int4)[0] == torch.bfloat16 and calls == [(4, 16)]
     dtype, why = kernels.kv_cache_dtype(int4)
     assert dtype == torch.bfloat16 and why.startswith("cache") and len(calls) == 1  # measured once
-    for precision in ("float32", "int8"):  # their c_attn returns float32: nothing is measured
-        model = apply_plan(tiny_model(), kernels.plan_for(tiny_model(), precision))
-        dtype, why = kernels.kv_cache_dtype(model)
-        assert dtype == torch.float32 and "round" in why and len(calls) == 1
+    int8 = apply_plan(tiny_model(), kernels.plan_for(tiny_model(), "int8"))  # c_attn rounds to bf16
+    assert kernels.kv_cache_dtype(int8)[0] == torch.bfloat16 and len(calls) == 1
+    model = apply_plan(tiny_model(), kernels.plan_for(tiny_model(), "float32"))  # exact keys: nothing is measured
+    dtype, why = kernels.kv_cache_dtype(model)
+    assert dtype == torch.float32 and "round" in why and len(calls) == 1
     costs["bfloat16"] = 11.0  # a CPU whose bf16 attention is slower: measured afresh, float32 kept
     monkeypatch.setattr(kernels, "default_cache_path", lambda: tmp_path / "another machine" / "kernels.json")
     assert kernels.kv_cache_dtype(int4)[0] == torch.float32 and len(calls) == 2
@@ -886,7 +889,8 @@ def test_load_for_inference_takes_auto_float32_or_bfloat16_kv(tmp_path, monkeypa
     save_hf_model(tmp_path / "m", n_embd=64, n_head=4)  # int4 groups of 32 along n_embd
     monkeypatch.setattr(kernels, "measure_kv_dtypes", lambda *shape: {"float32": 2.0, "bfloat16": 1.0})
     assert load_for_inference(tmp_path / "m", "int4", "cpu").kv_dtype == torch.bfloat16  # auto, the default
-    assert load_for_inference(tmp_path / "m", "int8", "cpu").kv_dtype == torch.float32
+    assert load_for_inference(tmp_path / "m", "int8", "cpu").kv_dtype == torch.bfloat16  # its keys are rounded
+    assert load_for_inference(tmp_path / "m", "float32", "cpu").kv_dtype == torch.float32
     assert load_for_inference(tmp_path / "m", "int4", "cpu", kv_dtype="float32").kv_dtype == torch.float32
     assert load_for_inference(tmp_path / "m", "float32", "cpu", kv_dtype="bfloat16").kv_dtype == torch.bfloat16
     with pytest.raises(ConfigError, match="kv_dtype 'float16'"):

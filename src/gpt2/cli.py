@@ -372,7 +372,7 @@ def add_generate_parser(sub):
     p.add_argument("--verbose", action="store_true", help="print the kernel chosen for each linear, and why")
     p.add_argument("--kv-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="the KV cache's dtype (auto: bfloat16 where it rounds nothing and measures no slower here, "
-                        "at --dtype bfloat16 and int4; --verbose says which)")
+                        "at --dtype bfloat16, int8 and int4; --verbose says which)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step (with --draft: the draft's), at any --dtype (the first "

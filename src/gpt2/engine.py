@@ -371,8 +371,12 @@ def compile_options(device_type: str) -> dict:
     tok/s, int4 at batch 8 494 -> 581; each batch size's graph then takes 15-27 s longer to build
     for GPT-2 124M on 2 cores. Only the CPP and ATen backends (Triton's are GPU kernels). On a GPU it
     stays off: autotuning Triton GEMMs takes minutes, and it has not been measured there.
+
+    emulate_precision_casts: a cast to bf16 and back rounds inside a fused kernel as it does eagerly.
+    Without it Inductor keeps the float32 value and drops the rounding, and int8's c_attn, which rounds
+    its q, k and v to bf16 (quantize.ROUNDS_KEYS_TO), decoded other tokens compiled than eager.
     """
-    options = {"freezing": True}
+    options = {"freezing": True, "emulate_precision_casts": True}
     if device_type == "cpu":
         options.update(max_autotune_gemm=True, max_autotune_gemm_backends="CPP,ATEN",
                        autotune_num_choices_displayed=0, max_autotune_report_choices_stats=False)

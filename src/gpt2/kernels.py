@@ -826,7 +826,7 @@ def kv_cache_dtype(model) -> tuple[torch.dtype, str]:
     """(the KV caches' dtype for this inference model, why): bf16 where it rounds nothing and its
     attention is no slower here, else float32.
 
-    Where every c_attn returns bf16 (quantize.keys_are_bf16: bfloat16 and int4 plans), a bf16 cache holds
+    Where every c_attn returns bf16 (quantize.keys_are_bf16: bfloat16, int8 and int4 plans), a bf16 cache holds
     the very keys and values a float32 one would, in half the bytes. Whether attending over it is faster
     depends on the CPU: PyTorch's eager bf16 SDPA (one query, 8 x 256 keys) runs 2x faster than its
     float32 one on an Intel Xeon with AMX, and per token 14% slower on an AMD EPYC Zen 4 (BENCHMARKS.md),

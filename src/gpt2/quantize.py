@@ -578,6 +578,12 @@ def kernel_dtype(precision: str) -> torch.dtype:
 # product. Our int4 models keep the lm_head at int8 for the same reason.
 HEAD_PRECISION = {"int4": "int8"}
 
+# int8's c_attn rounds q, k and v to bf16, as the bf16 and int4 kernels return them: its keys then fit a
+# bf16 KV cache exactly (keys_are_bf16), which halves the bytes a decode step reads over a long context
+# (llama.cpp keeps f16 caches). bf16 rounds by at most 2^-9 of a value, finer than the int8 weights do
+# (a step of max |w| / 127 per channel); the quality it costs is measured in BENCHMARKS.md.
+ROUNDS_KEYS_TO = {"int8": torch.bfloat16}
+
 
 def layer_precision(precision: str, attr: str) -> str:
     return HEAD_PRECISION.get(precision, precision) if attr == "lm_head" else precision
@@ -608,13 +614,16 @@ class FastLinear(nn.Module):
     """y = act(x W^T + b) with W stored in a WeightFormat and one chosen path per regime. Inference only."""
 
     def __init__(self, fmt: WeightFormat, weight: torch.Tensor, bias: torch.Tensor | None,
-                 paths: dict[str, str], activation: str | None = None, returns_kernel_dtype: bool = False):
+                 paths: dict[str, str], activation: str | None = None, returns_kernel_dtype: bool = False,
+                 rounds_to: torch.dtype | None = None):
         super().__init__()
         self.format, self.activation = fmt, activation
         # returns_kernel_dtype: y stays in the kernel's dtype (bf16; float32 from a u8s8 kernel) instead of
         # the input's. For layers whose consumer is the next linear (which would cast it back) or the
         # residual add (which promotes to float32 exactly as a cast would): the same numbers, fewer casts.
         self.returns_kernel_dtype = returns_kernel_dtype
+        # rounds_to: y is rounded to this dtype whatever the path returns (int8's c_attn: ROUNDS_KEYS_TO)
+        self.rounds_to = rounds_to
         self.out_features, self.in_features = weight.shape
         self.path_names = dict(paths)  # regime -> path name, for describe()
         self.paths = {regime: fmt.paths[name] for regime, name in paths.items()}
@@ -645,17 +654,23 @@ class FastLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).contiguous()  # (M, K); kernels need contiguous rows; the path casts
         y = self.paths[regime_of(x2.size(0))](x2, self.kernel_args, self.bias, self.activation)
+        if self.rounds_to is not None:
+            y = y.to(self.rounds_to)
         if not self.returns_kernel_dtype:
             y = y.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
     def output_dtypes(self) -> set[torch.dtype]:
         """The dtypes its paths return (before forward casts back), each path run once on one zero row (CPU)."""
+        if self.rounds_to is not None:
+            return {self.rounds_to}
         x = torch.zeros(1, self.in_features)
         return {path(x, self.kernel_args, self.bias, self.activation).dtype for path in set(self.paths.values())}
 
     def extra_repr(self) -> str:
         fused = f", {self.activation} fused" if self.activation else ""
+        if self.rounds_to is not None:
+            fused += f", rounded to {str(self.rounds_to).removeprefix('torch.')}"
         return (f"in={self.in_features}, out={self.out_features}, {self.format.precision} {self.format.name}{fused}, "
                 + ", ".join(f"{r}: {p}" for r, p in self.path_names.items()))
 
@@ -698,7 +713,8 @@ def planned_linear(plan, attr: str, weight: torch.Tensor, bias: torch.Tensor | N
     precision = layer_precision(plan.precision, attr)
     choice = plan.choice_for(weight.size(0), weight.size(1), activation, precision)
     return FastLinear(format_named(precision, choice.format, device_type), weight, bias, choice.paths, activation,
-                      returns_kernel_dtype=returns_kernel_dtype)
+                      returns_kernel_dtype=returns_kernel_dtype,
+                      rounds_to=ROUNDS_KEYS_TO.get(precision) if attr == "c_attn" else None)
 
 
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # load_for_inference's kv_dtype, or "auto"
@@ -707,7 +723,8 @@ KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # load_for_i
 def keys_are_bf16(model) -> bool:
     """Whether every c_attn returns bf16 from each of its paths. Its keys and values are then bf16 numbers
     (forward casts them to float32 exactly), which a bf16 KV cache holds without rounding anything: at
-    bfloat16 and int4, unless a plan multiplies bf16 weights in float32 (bfloat16's "fp32 GEMM" path)."""
+    bfloat16 and int4, unless a plan multiplies bf16 weights in float32 (bfloat16's "fp32 GEMM" path),
+    and at int8, whose c_attn rounds to bf16 (ROUNDS_KEYS_TO)."""
     layers = [block.attn.c_attn for block in model.transformer.h]
     if not all(isinstance(layer, FastLinear) for layer in layers):
         return False
@@ -735,9 +752,10 @@ def load_for_inference(name_or_path, dtype: str = "float32", device=None, verbos
     """A model ready for generate, its linears in the kernels measured fastest here (kernels.py).
 
     kv_dtype, its KV caches' dtype (GPT.kv_dtype): "auto" keeps them in bf16 where that rounds nothing
-    (keys_are_bf16) and attention over them measures no slower on this machine (kernels.kv_cache_dtype),
-    else float32. "bfloat16" always (as llama.cpp keeps f16 ones: half their memory; at float32 and
-    int8 the keys and values are rounded, so logits move by about bf16's rounding); "float32" never."""
+    (keys_are_bf16: bfloat16, int8 and int4) and attention over them measures no slower on this machine
+    (kernels.kv_cache_dtype), else float32. "bfloat16" always (as llama.cpp keeps f16 ones: half their
+    memory; at float32 the keys and values are rounded, so logits move by about bf16's rounding);
+    "float32" never."""
     from gpt2.kernels import kv_cache_dtype, plan_for
     from gpt2.model import GPT
     if dtype not in PRECISIONS:
