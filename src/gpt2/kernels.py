@@ -26,8 +26,9 @@ summed, closest to the best of each (time / best time, added over the five regim
 parts', and it replaces the format kept where it makes some regime COMBINED_GAIN faster (its parts
 slower at decode are then still timed at batch, on the paths it takes from them).
 
-What keeps measuring to seconds (GPT-2 124M on 2 cores, a fresh cache, loading included: float32
-2.4 s, bf16 2.2 s, int4 2.0 s, int8 8.9 s on an Intel Xeon with AMX): a block's layers share one
+What keeps measuring to seconds (GPT-2 124M on 2 cores, a fresh cache, on an Intel Xeon with AMX whose
+effective cache measured 32 MiB: float32 2.3 s, bf16 1.5 s, int4 3.1 s, int8 3.7-4.1 s; int8 5.9-9.7 s
+where it measured 64 MiB, the decode copies then twice as many; BENCHMARKS.md): a block's layers share one
 rotation, so each needs copies for its share of it only (int8: 19 copies a layer, not 64); each regime
 is measured across every format before the next, formats slower at
 decode stop there, and a path that provably cannot win in its format is skipped (_may_win); a path two
