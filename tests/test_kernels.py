@@ -302,9 +302,17 @@ def assert_equal_up_to_bf16_ties(model, fast: list[list[int]], naive: list[list[
             f"row {row} step {t}: cached {a[t]} vs naive {b[t]}, logits {gap:.4g} apart: not a bf16 tie")
 
 
-@pytest.mark.parametrize("precision", PRECISIONS)
-def test_cached_generation_equals_naive_at_every_precision(precision):
+@pytest.mark.parametrize("precision,bf16_cache", [(p, False) for p in PRECISIONS]
+                         + [(p, True) for p in ("int8", "int4")])
+def test_cached_generation_equals_naive_at_every_precision(precision, bf16_cache):
+    """bf16_cache: the KV cache kv_dtype="auto" takes where the keys are bf16 numbers (and attention over
+    it measures no slower): it holds the very keys the naive forward computes. int8's and int4's c_attn
+    always return bf16 numbers; bfloat16's do unless its plan takes the "fp32 GEMM" path."""
+    from gpt2.quantize import keys_are_bf16
     model = apply_plan(tiny_model(), kernels.plan_for(tiny_model(), precision))
+    if bf16_cache:
+        assert keys_are_bf16(model)
+        model.kv_dtype = torch.bfloat16
     fast, naive = generate(model, PROMPTS, max_new_tokens=16), generate_naive(model, PROMPTS, max_new_tokens=16)
     if precision == "float32":
         assert fast == naive

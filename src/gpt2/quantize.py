@@ -30,7 +30,8 @@ functions (x (M, K), tensors) -> y (M, N). Every path of a format computes with 
               elsewhere the nibbles are dequantized for a bf16 GEMM
 
 The lm_head is quantized too (its own copy; wte stays float32 for the lookup); an int4 model keeps it
-at int8 (HEAD_PRECISION). Activations around the linears stay float32 at every precision (kernel_dtype).
+at int8 (HEAD_PRECISION). Activations around the linears stay float32 at every precision (kernel_dtype);
+int8's c_attn rounds q, k and v to bf16 (ROUNDS_KEYS_TO), as the bf16 and int4 kernels return them.
 The activation of c_fc (GELU) is fused into the GEMM as a oneDNN post-op where the path allows.
 """
 
