@@ -47,15 +47,15 @@ LLAMA = {"float32": "F32", "bfloat16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
 # per 32) and llama.cpp's block formats (Q8_0: 32 int8 + an f16 scale; Q4_0: 32 nibbles + an f16 scale).
 OURS_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.5 + 4 / 32}
 LLAMA_BYTES = {"float32": 4, "bfloat16": 2, "int8": 34 / 32, "int4": 18 / 32}
-PROMPT = [464 + 7 * i for i in range(16)]
+PROMPT_LENGTH = 16  # decode's prompt (prompt_of); decode @L uses --long-prompt
 
 
 def prompt_of(length: int, row: int = 0) -> list[int]:
-    """A fixed prompt of `length` tokens (PROMPT for 16), different for every row of a batch."""
+    """A fixed prompt of `length` tokens, different for every row of a batch."""
     return [(464 + 7 * i + 31 * row) % 50000 for i in range(length)]
 
 
-def time_decode(model, rows: int, steps: int, compile: bool, prompt_length: int = len(PROMPT)) -> float:
+def time_decode(model, rows: int, steps: int, compile: bool, prompt_length: int = PROMPT_LENGTH) -> float:
     """Seconds our engine takes for `steps` greedy steps of `rows` prompts, the prefill not counted."""
     import time
 
@@ -82,7 +82,7 @@ def worker_ours(args) -> dict:
     from gpt2.quantize import load_for_inference
     model = load_for_inference(args.model_dir, args.precision, "cpu", kv_dtype=args.kv_dtype)
 
-    def decode(batch: int, prompt_length: int = len(PROMPT)) -> float:
+    def decode(batch: int, prompt_length: int = PROMPT_LENGTH) -> float:
         return batch * args.decode_steps / time_decode(model, batch, args.decode_steps, bool(args.compile),
                                                        prompt_length)
 
@@ -110,7 +110,7 @@ def worker_hf(args) -> dict:
     import transformers
     model = transformers.GPT2LMHeadModel.from_pretrained(args.model_dir, dtype=torch.float32).eval()
 
-    def decode(prompt_length: int = len(PROMPT)) -> float:
+    def decode(prompt_length: int = PROMPT_LENGTH) -> float:
         with torch.inference_mode():
             out = model(torch.tensor([prompt_of(prompt_length)]), use_cache=True)
             past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
@@ -148,7 +148,7 @@ def worker_llama(args) -> dict:
         # `scores` is never written (it holds zeros), so an argmax over it would feed token 0 every step.
         return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))))
 
-    def decode(prompt_length: int = len(PROMPT)) -> float:
+    def decode(prompt_length: int = PROMPT_LENGTH) -> float:
         llm.reset()
         llm.eval(prompt_of(prompt_length))
         start = time.perf_counter()
@@ -405,7 +405,7 @@ def main():
         raise SystemExit(f"--long-prompt {args.long_prompt} + --decode-steps {args.decode_steps} + 1 exceeds the "
                          f"model's {config['n_positions']} positions")
     print(f"model: {args.preset} (random weights), {n_weights / 1e6:.1f}M weights read per decode token; "
-          f"decode: 16-token prompt + {args.decode_steps} steps (decode @{args.long_prompt}: a "
+          f"decode: {PROMPT_LENGTH}-token prompt + {args.decode_steps} steps (decode @{args.long_prompt}: a "
           f"{args.long_prompt}-token prompt); prefill {args.prefill}")
     speed(args, model_dir, work, n_weights)
 
