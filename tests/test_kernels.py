@@ -647,9 +647,10 @@ def test_decode_calls_a_blocks_layers_in_turn_one_copy_of_each_a_round():
     assert 0.001 <= seconds[0] < seconds[1] and seconds[1] >= 0.002
 
 
-def test_a_plan_measures_a_blocks_layers_in_turn_and_the_lm_head_alone(monkeypatch):
-    """The block's four linears are measured together, in the model's order (decode calls them one after
-    another); the lm_head, wider than WIDE_OUTPUTS, alone."""
+def test_a_plan_measures_a_precisions_layers_in_turn_in_the_models_order(monkeypatch):
+    """A block's four linears and then the lm_head are measured together, in the model's order (decode
+    calls them one after another); a layer kept at another precision (int4's int8 lm_head) in a turn
+    of its own."""
     monkeypatch.setattr(kernels, "WIDE_OUTPUTS", 512)
     config = GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=1000, n_positions=32)
     with torch.device("meta"):
@@ -660,14 +661,17 @@ def test_a_plan_measures_a_blocks_layers_in_turn_and_the_lm_head_alone(monkeypat
                         or real(precision, shapes))
     fake_clock(monkeypatch, lambda path, copies, x: 1e-6 * x.size(0))
     plan = kernels.plan_for(model, "float32", "cpu")
-    assert turns == [("float32", [(192, 64, None), (64, 64, None), (256, 64, "gelu_tanh"), (64, 256, None)]),
-                     ("float32", [(1000, 64, None)])]
+    block = [(192, 64, None), (64, 64, None), (256, 64, "gelu_tanh"), (64, 256, None)]
+    assert turns == [("float32", block + [(1000, 64, None)])]
     assert plan.source == "measured" and len(plan.choices) == 5
-    block = ["192x64", "64x64", "256x64+gelu_tanh", "64x256"]
-    assert all(plan.choices[key].turn == block for key in block) and plan.choices["1000x64"].turn == ["1000x64"]
-    assert ("timed in turn, as a decode step calls them: 192x64 -> 64x64 -> 256x64+gelu_tanh -> 64x256"
+    keys = ["192x64", "64x64", "256x64+gelu_tanh", "64x256", "1000x64"]
+    assert all(plan.choices[key].turn == keys for key in keys)
+    assert ("timed in turn, as a decode step calls them: 192x64 -> 64x64 -> 256x64+gelu_tanh -> 64x256 -> 1000x64"
             in plan.describe())
     assert kernels.plan_for(model, "float32", "cpu").choices == plan.choices  # read back from the cache
+    turns.clear()
+    kernels.plan_for(model, "int4", "cpu")
+    assert turns == [("int4", block), ("int8", [(1000, 64, None)])]
 
 
 def test_a_path_wrong_on_one_layer_of_a_turn_is_rejected_there_only(monkeypatch):

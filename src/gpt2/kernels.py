@@ -15,8 +15,8 @@ and each of its paths is
   2. timed at 1 row (decode), 8 rows (batched decode), 64 rows (short: a short prompt, 33-127 rows),
      128 rows (prefill) and 512 rows (long: a long prompt or a server's prefill chunk, from 256 rows),
      keeping the fastest of a few repeats (other work only adds time). Decode and batch call the
-     layers of a block in turn, as a decode step does (the block's linears are measured together, in
-     the model's order; the lm_head alone), over enough copies that a round exceeds the cache this
+     layers in turn, as a decode step does (a precision's layers are measured together, in the
+     model's order: a block's linears, then the lm_head), over enough copies that a round exceeds the cache this
      process gets (measured once: effective_cache_bytes), so they read memory as a real model does;
      short, prefill and long are bound by FLOPs and use one copy.
 Per format, each regime takes its fastest path. The format kept is, among those within 5% of the fastest
@@ -27,18 +27,18 @@ parts', and it replaces the format kept where it makes some regime COMBINED_GAIN
 slower at decode are then still timed at batch, on the paths it takes from them).
 
 What keeps measuring to seconds (GPT-2 124M on 2 cores, a fresh cache, on an Intel Xeon with AMX whose
-effective cache measured 32 MiB: float32 2.3 s, bf16 1.5 s, int4 3.1 s, int8 3.7-4.1 s; int8 5.9-9.7 s
-where it measured 64 MiB, the decode copies then twice as many; BENCHMARKS.md): a block's layers share one
-rotation, so each needs copies for its share of it only (int8: 19 copies a layer, not 64); each regime
+effective cache measured 64 MiB: float32 2.0 s, bf16 1.5 s, int8 3.4 s, int4 4.5 s; BENCHMARKS.md): a
+precision's layers share one rotation, so each needs copies for its share of it only (int8: 3 copies a
+layer, where a block alone needed 19 and the lm_head alone 4; int4's int8 lm_head is alone); each regime
 is measured across every format before the next, formats slower at
 decode stop there, and a path that provably cannot win in its format is skipped (_may_win); a path two
 formats share on the same tensors is measured once (WeightFormat.same_weights_as); paths that dequantize
 the whole weight per call are timed only at 64, 128 and 512 rows; a layer wider than WIDE_OUTPUTS (the
 lm_head) times those three regimes on its leading outputs and scales the times by its width; checks
 compare the edges of long calls and wide layers against one float64 reference per distinct weight, and
-at 64, 128 and 512 rows the check's call is the first sample. What is left is mostly packing cold
-copies: 3.4 s of int8's 7.9 (cProfile), 1.5 s of it the lm_head's, 3 copies beside the packed one for
-each u8s8 engine at 0.39 s (fbgemm) and 0.12 s (oneDNN) a copy. Cheaper ways to read the lm_head cold
+at 64, 128 and 512 rows the check's call is the first sample. What is left is mostly packing: 1.6 s of
+int8's 3.6 (cProfile), three packings of each layer for each u8s8 engine, the lm_head's at 0.39 s
+(fbgemm) and 0.12 s (oneDNN) each; int4 packs its int8 lm_head 4 times. Cheaper ways to read the lm_head cold
 (a spacer read, a replay of the block) ranked its kernels further from the model than the copies do,
 checked by running the plans in the model (benchmarks/ab_plans.py; BENCHMARKS.md), so the copies stay.
 
@@ -68,7 +68,7 @@ from gpt2.quantize import (CPU_FORMATS, KV_DTYPES, REGIMES, WeightFormat, _Packe
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 13 # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
+CACHE_VERSION = 14 # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
                    # 4: the bf16 oneDNN format keeps only its packed weight (no float32-GEMM path);
                    # 5: entries keyed by the layer's own precision (int4 and int8 plans share the int8 lm_head);
                    # 6: int4's "dequant bf16" writes a (K, N) weight and fuses bias and GELU; paths cast their
@@ -80,7 +80,8 @@ CACHE_VERSION = 13 # 2: decode copies own their storage (version 1 timed float32
                    # 10: the decode span counts a copy as the weight at its precision's width (_copies);
                    # 11: int8's two-engine format (WeightFormat.parts; _choose_combined); 12: int4's
                    # "dequant bf16" reads AVX2's and plain CPUs' packing too (quantize.int4pack_layout);
-                   # 13: decode and batch call a block's layers in turn (measure_shapes), not one shape alone
+                   # 13: decode and batch call a block's layers in turn (measure_shapes), not one shape alone;
+                   # 14: and the lm_head after them (_turns), not alone
 # The files cached_measurement keeps (training.json, lm_head.json, cpu_cache.json) carry their own version:
 # a change to the kernel plans above leaves them valid.
 MEASUREMENT_CACHE_VERSION = 5
@@ -299,13 +300,12 @@ def plan_for(model, precision: str, device_type: str | None = None, cache_path: 
 
 def _turns(keys: list[str], shapes: dict) -> list[list[str]]:
     """The layers measured together (measure_shapes), of shapes' key -> (precision, out, in, activation):
-    a precision's layers up to WIDE_OUTPUTS outputs, in the model's order (a block's linears, which
-    every decode step calls one after another, twelve times over in GPT-2 124M), and each wider layer
-    alone (the lm_head, called once a step, after the last block)."""
+    all of a precision's layers, in the model's order, as a decode step calls them: a block's linears
+    (twelve times over in GPT-2 124M), then the lm_head. A rotation that reads the lm_head too spans the
+    cache with fewer copies of each layer (int8: 3, not 19 for a block and 4 for the lm_head alone)."""
     turns = {}
     for key in keys:
-        precision, out_features, *_ = shapes[key]
-        turns.setdefault((precision,) if not _is_wide(out_features) else (precision, key), []).append(key)
+        turns.setdefault(shapes[key][0], []).append(key)
     return list(turns.values())
 
 
