@@ -50,7 +50,7 @@ def format_object(precision: str, name: str):
 def fake_clock(monkeypatch, seconds):
     """Every timing made up: seconds(path, copies, x), for a call of the path on those copies with rows x,
     for each layer _time_in_turn times (over cold copies, or over one warm copy)."""
-    monkeypatch.setattr(kernels, "_time_in_turn", lambda path, turn, best_so_far, first_samples=None:
+    monkeypatch.setattr(kernels, "_time_in_turn", lambda path, turn, best_so_far, first_samples=None, readers=():
                         [seconds(path, copies, x) for copies, b, activation, x in turn])
 
 
@@ -645,6 +645,52 @@ def test_decode_calls_a_blocks_layers_in_turn_one_copy_of_each_a_round():
     assert calls[:6] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]  # the warm-up round, then as many more
     assert len(calls) % 6 == 0 and calls[6:12] == calls[:6]
     assert 0.001 <= seconds[0] < seconds[1] and seconds[1] >= 0.002
+
+
+def test_readers_follow_each_round_of_timed_calls_untimed():
+    """The other formats' copies are read after each round (a reader's copy i % its copies), and their
+    time is not the timed path's."""
+    calls = []
+    path = lambda x, t, b, activation: calls.append(t["id"])
+
+    def reader(x, t, b, activation):
+        calls.append(t["id"])
+        time.sleep(0.002)
+    turn = [([{"id": ("timed", copy)} for copy in range(2)], None, None, torch.zeros(1))]
+    readers = [(reader, [{"id": ("read", 0)}], None, None, torch.zeros(1))]
+    seconds = kernels._time_in_turn(path, turn, [math.inf], readers=readers)
+    assert calls[:4] == [("timed", 0), ("read", 0), ("timed", 1), ("read", 0)]
+    assert seconds[0] < 0.001
+
+
+def test_every_formats_copies_share_the_span_a_round_reads(monkeypatch):
+    """Cold copies are made for a round that reads every layer in every format: with F formats each
+    needs 1/F of the copies it would alone. A timed path's round reads its own layers plus other
+    formats' readers until the round spans 2 x cache / copies, and never its own timed copies twice."""
+    cache = 1 << 20
+    monkeypatch.setattr(kernels, "effective_cache_bytes", lambda: cache)
+    rounds = []
+    monkeypatch.setattr(kernels, "_time_in_turn", lambda path, turn, best_so_far, first_samples=None, readers=():
+                        rounds.append((turn, readers)) or [1e-6] * len(turn))
+    shapes = [(256, 128, None), (128, 256, None)]  # 128 KiB each in float32
+    formats = [f for f in formats_for("float32", "cpu") if not f.parts]
+    layers = [kernels._layer("float32", shape) for shape in shapes]
+    kernels._add_cold_copies(layers)
+    readable = sum(c.reader is not None for layer in layers for c in layer.whole.values())
+    assert readable == len(formats) * len(shapes)  # every float32 format runs here
+    copies = math.ceil(2 * cache / (readable * 128 * 1024))
+    assert {len(c.copies) for layer in layers for c in layer.whole.values()} == {copies}
+
+    kernels.measure_shapes("float32", shapes)
+    cold = [(turn, readers) for turn, readers in rounds if turn and turn[0][3].size(0) in (1, 8)]
+    assert cold
+    for turn, readers in cold:
+        n = len(turn[0][0])
+        read = sum(4 * b.numel() * x.size(1) for _, b, _, x in turn)
+        read += sum(4 * b.numel() * x.size(1) for _, _, b, _, x in readers)
+        assert read >= 2 * cache / n
+        timed = {id(copies) for copies, *_ in turn}
+        assert not any(id(copies) in timed for _, copies, *_ in readers)
 
 
 def test_a_plan_measures_a_precisions_layers_in_turn_in_the_models_order(monkeypatch):

@@ -27,20 +27,23 @@ parts', and it replaces the format kept where it makes some regime COMBINED_GAIN
 slower at decode are then still timed at batch, on the paths it takes from them).
 
 What keeps measuring to seconds (GPT-2 124M on 2 cores, a fresh cache, on an Intel Xeon with AMX whose
-effective cache measured 64 MiB: float32 2.0 s, bf16 1.5 s, int8 3.4 s, int4 4.5 s; BENCHMARKS.md): a
-precision's layers share one rotation, so each needs copies for its share of it only (int8: 3 copies a
-layer, where a block alone needed 19 and the lm_head alone 4; int4's int8 lm_head is alone); each regime
-is measured across every format before the next, formats slower at
-decode stop there, and a path that provably cannot win in its format is skipped (_may_win); a path two
-formats share on the same tensors is measured once (WeightFormat.same_weights_as); paths that dequantize
-the whole weight per call are timed only at 64, 128 and 512 rows; a layer wider than WIDE_OUTPUTS (the
-lm_head) times those three regimes on its leading outputs and scales the times by its width; checks
-compare the edges of long calls and wide layers against one float64 reference per distinct weight, and
-at 64, 128 and 512 rows the check's call is the first sample. What is left is mostly packing: 1.6 s of
-int8's 3.6 (cProfile), three packings of each layer for each u8s8 engine, the lm_head's at 0.39 s
-(fbgemm) and 0.12 s (oneDNN) each; int4 packs its int8 lm_head 4 times. Cheaper ways to read the lm_head cold
-(a spacer read, a replay of the block) ranked its kernels further from the model than the copies do,
-checked by running the plans in the model (benchmarks/ab_plans.py; BENCHMARKS.md), so the copies stay.
+effective cache measured 64 MiB: float32 2.0 s, bf16 1.3 s, int8 2.4 s, int4 3.4 s; BENCHMARKS.md): a
+precision's layers share one rotation, in every format (a round reads the other formats' copies too,
+untimed, by their readers), so each needs copies for its share of it only: int8's three formats need
+none beside the packed one, where a block alone in one format needed 19 and the lm_head alone 4 (int4's
+int8 lm_head, in a turn of its own, needs 2); each regime is measured across every format before the
+next, formats slower at decode stop there, and a path that provably cannot win in its format is
+skipped (_may_win); a path two formats share on the same tensors is measured once
+(WeightFormat.same_weights_as); paths that dequantize the whole weight per call are timed only at 64,
+128 and 512 rows; a layer wider than WIDE_OUTPUTS (the lm_head) times those three regimes on its
+leading outputs and scales the times by its width; checks compare the edges of long calls and wide
+layers against one float64 reference per distinct weight, and at 64, 128 and 512 rows the check's
+call is the first sample. What is left is timing and packing the
+weights once (int8: 0.5 s of 2.4 packing, cProfile; int4: 0.9 s of 3.3, its lm_head packed twice for
+each u8s8 engine, at 0.39 s for fbgemm and 0.12 s for oneDNN). A plain read of a spacer buffer instead
+ranked kernel families further from the model than copies (benchmarks/ab_plans.py runs plans in the
+model; BENCHMARKS.md); the readers are the layers' own kernels on their own copies, and every block
+layer kept the format and paths that copies alone had chosen.
 
 The KV cache's dtype is chosen here too (kv_cache_dtype, for load_for_inference's kv_dtype="auto"): bf16
 where the keys are bf16 numbers already and one-query attention over a bf16 cache measures no slower.
@@ -57,6 +60,7 @@ import logging
 import math
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -68,7 +72,7 @@ from gpt2.quantize import (CPU_FORMATS, KV_DTYPES, REGIMES, WeightFormat, _Packe
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 14 # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
+CACHE_VERSION = 15 # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
                    # 4: the bf16 oneDNN format keeps only its packed weight (no float32-GEMM path);
                    # 5: entries keyed by the layer's own precision (int4 and int8 plans share the int8 lm_head);
                    # 6: int4's "dequant bf16" writes a (K, N) weight and fuses bias and GELU; paths cast their
@@ -81,7 +85,8 @@ CACHE_VERSION = 14 # 2: decode copies own their storage (version 1 timed float32
                    # 11: int8's two-engine format (WeightFormat.parts; _choose_combined); 12: int4's
                    # "dequant bf16" reads AVX2's and plain CPUs' packing too (quantize.int4pack_layout);
                    # 13: decode and batch call a block's layers in turn (measure_shapes), not one shape alone;
-                   # 14: and the lm_head after them (_turns), not alone
+                   # 14: and the lm_head after them (_turns), not alone; 15: every format's copies are read in
+                   # every round (_reader), so they share the span
 # The files cached_measurement keeps (training.json, lm_head.json, cpu_cache.json) carry their own version:
 # a change to the kernel plans above leaves them valid.
 MEASUREMENT_CACHE_VERSION = 5
@@ -367,6 +372,7 @@ class Candidate:
     expected: Expected
     bias: torch.Tensor  # in the kernel dtype
     twin: WeightFormat | None  # the candidate format.same_weights_as names (measured before this one)
+    reader: Callable | None = None  # reads its cold copies while other paths are timed (_reader)
 
 
 # Short, prefill and long are bound by FLOPs, and their time grows with a layer's width: a layer wider than
@@ -392,6 +398,8 @@ def _is_wide(out_features: int) -> bool:
 class _Layer:
     """One linear shape being measured: its random weight's candidates, the inputs, and what was found."""
     shape: tuple  # (out_features, in_features, activation)
+    weight: torch.Tensor  # (out, in) float32, random; bias (out,)
+    bias: torch.Tensor
     inputs: dict  # regime -> (ROWS[regime], in_features) in the kernel dtype
     whole: dict  # format name -> Candidate for the whole layer, with its cold copies (decode, batch)
     narrow: dict  # format name -> Candidate for short, prefill and long (a wide layer's leading outputs)
@@ -416,8 +424,8 @@ def measure_shapes(precision: str, shapes: list[tuple[int, int, str | None]]) ->
     within each of them a path is skipped once another of its paths has shown it cannot win (_may_win);
     at decode and batch a path that some layer needs is timed on every layer it runs on, so that each
     round still reads the whole block."""
-    round_weights = sum(out * inn for out, inn, _ in shapes)  # what decode's rotation reads once a round
-    layers = [_layer(precision, shape, round_weights) for shape in shapes]
+    layers = [_layer(precision, shape) for shape in shapes]
+    _add_cold_copies(layers)
     formats = [f for f in formats_for(precision, "cpu") if not f.parts]  # a combined format: through its parts
     combined = [f for f in formats_for(precision, "cpu") if f.parts]
     for regime in REGIMES:  # decode first: it decides which formats go on (_fast_at_decode)
@@ -454,7 +462,7 @@ def measure_shapes(precision: str, shapes: list[tuple[int, int, str | None]]) ->
                         due.append(layer)
                     turn.append(layer)
                 if due:
-                    _measure_path(fmt, name, path, regime, turn if cold else due)
+                    _measure_path(fmt, name, path, regime, turn if cold else due, layers)
     choices = []
     for layer in layers:
         timings = {f: paths for f, paths in layer.timings.items() if paths}
@@ -466,8 +474,9 @@ def measure_shapes(precision: str, shapes: list[tuple[int, int, str | None]]) ->
     return [replace(choice, turn=turn) for choice in choices]
 
 
-def _layer(precision: str, shape: tuple, round_weights: int) -> _Layer:
-    """A layer's random weight (the same for a shape wherever it is measured), packed in every format."""
+def _layer(precision: str, shape: tuple) -> _Layer:
+    """A layer's random weight (the same for a shape wherever it is measured), packed in every format
+    (the cold copies follow: _add_cold_copies)."""
     out_features, in_features, activation = shape
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(out_features, in_features, generator=gen) * 0.02
@@ -475,20 +484,34 @@ def _layer(precision: str, shape: tuple, round_weights: int) -> _Layer:
     dtype = kernel_dtype(precision)
     inputs = {r: torch.randn(n, in_features, generator=gen).to(dtype) for r, n in ROWS.items()}
     rejected = {}
-    whole = _candidates(precision, w, bias, activation, rejected, round_weights)
+    whole = _candidates(precision, w, bias, activation, rejected, inputs["decode"])
     if _is_wide(out_features):
         narrow_outputs = WIDE_OUTPUTS + out_features % 64
-        narrow = _candidates(precision, w[:narrow_outputs], bias[:narrow_outputs], activation, rejected, None)
+        narrow = _candidates(precision, w[:narrow_outputs], bias[:narrow_outputs], activation, rejected)
     else:
         narrow, narrow_outputs = whole, out_features
-    return _Layer(shape, inputs, {c.format.name: c for c in whole}, {c.format.name: c for c in narrow},
+    return _Layer(shape, w, bias, inputs, {c.format.name: c for c in whole}, {c.format.name: c for c in narrow},
                   out_features / narrow_outputs, rejected)
 
 
-def _measure_path(fmt, name: str, path, regime: str, layers: list[_Layer]) -> None:
-    """Check one path at a regime on each layer, then time it where it passed: at decode and batch on
-    the layers in turn over their cold copies (_time_in_turn); at short, prefill and long on each
-    layer's one copy, whose check call is the warm-up and first sample. Results go into the layers."""
+def _add_cold_copies(layers: list[_Layer]) -> None:
+    """Gives each whole candidate with a reader its cold copies: as many as make one round, which reads
+    every layer in every such format once, span twice the cache (_copies). A round reads the timed path's
+    copies and, by their readers, other formats' (_measure_path), so the formats share the span: int8's
+    three need one copy each (the packed one) where each alone needed three."""
+    read = sum(layer.weight.numel() for layer in layers for c in layer.whole.values() if c.reader is not None)
+    for layer in layers:
+        for c in layer.whole.values():
+            if c.reader is not None:
+                c.copies = _copies(c.format, layer.weight, layer.bias, c.tensors, read)
+
+
+def _measure_path(fmt, name: str, path, regime: str, layers: list[_Layer], turn_layers: list[_Layer]) -> None:
+    """Check one path at a regime on each of `layers`, then time it where it passed: at decode and batch
+    on those layers in turn over their cold copies (_time_in_turn), each round followed by the readers
+    of every other candidate of turn_layers (all that measure_shapes measures), so that a round reads
+    the span the copies were made for; at short, prefill and long on each layer's one copy, whose check
+    call is the warm-up and first sample. Results go into the layers."""
     cold = regime in COLD_REGIMES
     key, passed, seconds = f"{fmt.name}/{name}", [], []
     for layer in layers:
@@ -505,7 +528,18 @@ def _measure_path(fmt, name: str, path, regime: str, layers: list[_Layer]) -> No
     if cold:
         turn = [(layer.whole[fmt.name].copies, layer.whole[fmt.name].bias, layer.shape[2], layer.inputs[regime])
                 for layer in passed]
-        elapsed = _time_in_turn(path, turn, own) if turn else []
+        # The readers a round needs: with n copies, a copy is read again n rounds later, so a round must
+        # read 2 x cache / n bytes (the timed calls' own and the rest); past that they would only cost time
+        # (float32's four formats and one copy each read 3.6x the span).
+        rounds = len(turn[0][0]) if turn else 1
+        missing = 2 * effective_cache_bytes() / rounds - sum(_weight_bytes(layer.weight, fmt) for layer in passed)
+        readers, timed = [], {id(layer) for layer in passed}
+        for layer in turn_layers:
+            for c in layer.whole.values():
+                if c.reader is not None and missing > 0 and not (c.format.name == fmt.name and id(layer) in timed):
+                    readers.append((c.reader, c.copies, c.bias, layer.shape[2], layer.inputs["decode"]))
+                    missing -= _weight_bytes(layer.weight, c.format)
+        elapsed = _time_in_turn(path, turn, own, readers=readers) if turn else []
     else:
         elapsed = [layer.scale * _time_in_turn(
                        path, [(layer.narrow[fmt.name].copies[:1], layer.narrow[fmt.name].bias, layer.shape[2],
@@ -529,10 +563,10 @@ def _parts_to_time(combined: list[WeightFormat], running: set[str] | None) -> di
 
 
 def _candidates(precision: str, w: torch.Tensor, bias: torch.Tensor, activation: str | None, rejected: dict,
-                round_weights: int | None) -> list[Candidate]:
+                reader_input: torch.Tensor | None = None) -> list[Candidate]:
     """Every format of the precision packed from w (N, K), with its reference; a format whose packing
-    fails goes into `rejected`. round_weights: also the cold copies decode and batch rotate over, for a
-    rotation reading that many weights a round (_copies); None: the packed tensors only."""
+    fails goes into `rejected`. reader_input (one row): also find each one's reader (_reader), for the
+    candidates decode and batch time over cold copies."""
     dtype = kernel_dtype(precision)
     b = bias.to(dtype)
     candidates = []
@@ -554,14 +588,29 @@ def _candidates(precision: str, w: torch.Tensor, bias: torch.Tensor, activation:
             expected = Expected(fmt, w, tensors, b.double(), activation, precision)
             # Formats computing with one weight (int8's three) share one: its products are the costly part of a check.
             expected = next((c.expected for c in candidates if c.expected.same_as(expected)), expected)
-        copies = [tensors] if round_weights is None else _copies(fmt, w, bias, tensors, round_weights)
-        candidates.append(Candidate(fmt, tensors, copies, expected, b, None if twin is None else twin.format))
+        reader = None if reader_input is None else _reader(fmt, tensors, b, activation, reader_input)
+        candidates.append(Candidate(fmt, tensors, [tensors], expected, b, None if twin is None else twin.format,
+                                    reader))
     return candidates
 
 
+def _reader(fmt: WeightFormat, tensors: dict, b: torch.Tensor, activation: str | None, x: torch.Tensor):
+    """The format's first decode path that runs on these tensors (its result is not looked at): it reads
+    the format's cold copies in a round where another format's path is timed, as a decode step reads the
+    layers around the one timed. None where no decode path runs."""
+    for name, path in fmt.paths.items():
+        if runs_at(fmt, name, "decode"):
+            try:
+                path(x, _unwrap(tensors), b, activation)
+                return path
+            except (RuntimeError, NotImplementedError):
+                continue
+    return None
+
+
 def _copies(fmt, w, bias, tensors, round_weights: int | None = None) -> list[dict]:
-    """Enough packed copies of one weight that a rotation reading round_weights weights a round (this
-    layer's and the others' it is timed in turn with; default: this one's) spans twice the cache this
+    """Enough packed copies of one weight that a rotation reading round_weights weights a round (every
+    layer's of the turn in every format, _add_cold_copies; default: this one's) spans twice the cache this
     process gets, the first size that effective_cache_bytes found read at memory speed (decode reads
     memory): each copy is read again only after the others have pushed it out, as a model's weights are.
     A weight's size is its precision's width (WEIGHT_BYTES), what a decode call reads: the
@@ -582,6 +631,11 @@ def _copies(fmt, w, bias, tensors, round_weights: int | None = None) -> list[dic
     if fmt.repack is not None:
         return [tensors] + [fmt.repack(tensors) for _ in range(n - 1)]
     return [tensors] + [fmt.pack(w.clone(), bias.clone()) for _ in range(n - 1)]
+
+
+def _weight_bytes(w: torch.Tensor, fmt: WeightFormat) -> float:
+    """What a decode call of the format reads of weight w: its precision's width a weight (WEIGHT_BYTES)."""
+    return w.numel() * WEIGHT_BYTES[fmt.precision]
 
 
 def _is_plain(t) -> bool:
@@ -697,7 +751,7 @@ def _best(timings: dict, regime: str) -> float:
 
 
 def _time_in_turn(path, turn: list[tuple], best_so_far: list[float],
-                  first_samples: list[float] | None = None) -> list[float]:
+                  first_samples: list[float] | None = None, readers: list[tuple] = ()) -> list[float]:
     """Seconds a call of the path takes on each layer of `turn` ((copies, b, activation, x) each, as many
     copies each), called on the layers in turn, one copy of each a round, as a decode step calls a
     block's linears (the one before is another shape's): the fastest of a few repeats of each layer's
@@ -715,6 +769,7 @@ def _time_in_turn(path, turn: list[tuple], best_so_far: list[float],
     seconds.
     """
     tensors = [[_unwrap(c) for c in copies] for copies, *_ in turn]
+    read = [(reader, [_unwrap(c) for c in copies], b, activation, x) for reader, copies, b, activation, x in readers]
     rounds = len(tensors[0])
 
     def sweep() -> list[float]:
@@ -724,6 +779,8 @@ def _time_in_turn(path, turn: list[tuple], best_so_far: list[float],
                 start = time.perf_counter()
                 path(x, tensors[j][i], b, activation)
                 spent[j] += time.perf_counter() - start
+            for reader, copies, b, activation, x in read:  # untimed: the rest of the span
+                reader(x, copies[i % len(copies)], b, activation)
         return [s / rounds for s in spent]
 
     if first_samples is None:
