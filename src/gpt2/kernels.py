@@ -16,9 +16,9 @@ and each of its paths is
      128 rows (prefill) and 512 rows (long: a long prompt or a server's prefill chunk, from 256 rows),
      keeping the fastest of a few repeats (other work only adds time). Decode and batch call the
      layers in turn, as a decode step does (a precision's layers are measured together, in the
-     model's order: a block's linears, then the lm_head), over enough copies that a round exceeds the cache this
-     process gets (measured once: effective_cache_bytes), so they read memory as a real model does;
-     short, prefill and long are bound by FLOPs and use one copy.
+     model's order: a block's linears, then the lm_head), over enough copies that a round exceeds the
+     cache this process gets (measured once: effective_cache_bytes), so they read memory as a real
+     model does; short, prefill and long are bound by FLOPs and use one copy.
 Per format, each regime takes its fastest path. The format kept is, among those within 5% of the fastest
 at decode (a generated token costs a decode call; a prompt is paid once), the one whose regimes are,
 summed, closest to the best of each (time / best time, added over the five regimes). A combined format
@@ -38,12 +38,12 @@ skipped (_may_win); a path two formats share on the same tensors is measured onc
 128 and 512 rows; a layer wider than WIDE_OUTPUTS (the lm_head) times those three regimes on its
 leading outputs and scales the times by its width; checks compare the edges of long calls and wide
 layers against one float64 reference per distinct weight, and at 64, 128 and 512 rows the check's
-call is the first sample. What is left is timing and packing the
-weights once (int8: 0.5 s of 2.4 packing, cProfile; int4: 0.9 s of 3.3, its lm_head packed twice for
-each u8s8 engine, at 0.39 s for fbgemm and 0.12 s for oneDNN). A plain read of a spacer buffer instead
-ranked kernel families further from the model than copies (benchmarks/ab_plans.py runs plans in the
-model; BENCHMARKS.md); the readers are the layers' own kernels on their own copies, and every block
-layer kept the format and paths that copies alone had chosen.
+call is the first sample. What is left is timing and packing the weights once (int8: 0.5 s of 2.4
+packing, cProfile; int4: 0.9 s of 3.3, its lm_head packed twice for each u8s8 engine, at 0.39 s for
+fbgemm and 0.12 s for oneDNN). A plain read of a spacer buffer instead ranked kernel families further
+from the model than copies (benchmarks/ab_plans.py runs plans in the model; BENCHMARKS.md); the
+readers are the layers' own kernels on their own copies, and every block layer kept the format and
+paths that copies alone had chosen.
 
 The KV cache's dtype is chosen here too (kv_cache_dtype, for load_for_inference's kv_dtype="auto"): bf16
 where the keys are bf16 numbers already and one-query attention over a bf16 cache measures no slower.
@@ -307,7 +307,8 @@ def _turns(keys: list[str], shapes: dict) -> list[list[str]]:
     """The layers measured together (measure_shapes), of shapes' key -> (precision, out, in, activation):
     all of a precision's layers, in the model's order, as a decode step calls them: a block's linears
     (twelve times over in GPT-2 124M), then the lm_head. A rotation that reads the lm_head too spans the
-    cache with fewer copies of each layer (int8: 3, not 19 for a block and 4 for the lm_head alone)."""
+    cache with fewer copies of each layer (int8 in one format: 3, not 19 for a block and 4 for the lm_head
+    alone; in all three formats at once, _add_cold_copies, none beside the packed one)."""
     turns = {}
     for key in keys:
         turns.setdefault(shapes[key][0], []).append(key)
@@ -508,10 +509,10 @@ def _add_cold_copies(layers: list[_Layer]) -> None:
 
 def _measure_path(fmt, name: str, path, regime: str, layers: list[_Layer], turn_layers: list[_Layer]) -> None:
     """Check one path at a regime on each of `layers`, then time it where it passed: at decode and batch
-    on those layers in turn over their cold copies (_time_in_turn), each round followed by the readers
-    of every other candidate of turn_layers (all that measure_shapes measures), so that a round reads
-    the span the copies were made for; at short, prefill and long on each layer's one copy, whose check
-    call is the warm-up and first sample. Results go into the layers."""
+    on those layers in turn over their cold copies (_time_in_turn), each round followed by other
+    candidates' readers (of turn_layers: all that measure_shapes measures) until the round reads the span
+    the copies were made for; at short, prefill and long on each layer's one copy, whose check call is
+    the warm-up and first sample. Results go into the layers."""
     cold = regime in COLD_REGIMES
     key, passed, seconds = f"{fmt.name}/{name}", [], []
     for layer in layers:
@@ -530,7 +531,7 @@ def _measure_path(fmt, name: str, path, regime: str, layers: list[_Layer], turn_
                 for layer in passed]
         # The readers a round needs: with n copies, a copy is read again n rounds later, so a round must
         # read 2 x cache / n bytes (the timed calls' own and the rest); past that they would only cost time
-        # (float32's four formats and one copy each read 3.6x the span).
+        # (GPT-2 124M's float32 layers in its four formats, one copy each, are 5.4x the span of a 64 MiB cache).
         rounds = len(turn[0][0]) if turn else 1
         missing = 2 * effective_cache_bytes() / rounds - sum(_weight_bytes(layer.weight, fmt) for layer in passed)
         readers, timed = [], {id(layer) for layer in passed}
