@@ -221,7 +221,8 @@ class Plan:
             lines.append(f"  {key}: {c.format}  " + "  ".join(f"{r}={c.paths[r]}" for r in REGIMES))
             if len(c.turn) > 1:
                 turn = " -> ".join(c.turn)
-                lines.append(f"      decode and batch timed in turn, as a decode step calls them: {turn}")
+                lines.append(f"      decode and batch timed in turn, as a decode step calls them: {turn} "
+                             "(each round also reads the other formats' copies, untimed)")
             for fmt, paths in c.timings_us.items():
                 for path, t in paths.items():
                     lines.append(f"      {fmt:>18} / {path:<13} " + "  ".join(
