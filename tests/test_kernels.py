@@ -663,11 +663,12 @@ def test_readers_follow_each_round_of_timed_calls_untimed():
     assert seconds[0] < 0.001
 
 
-def test_every_formats_copies_share_the_span_a_round_reads(monkeypatch):
+@pytest.mark.parametrize("cache", [1 << 20, 256 << 10])  # float32's 4 formats: 2 copies, all read; 1, some
+def test_every_formats_copies_share_the_span_a_round_reads(monkeypatch, cache):
     """Cold copies are made for a round that reads every layer in every format: with F formats each
     needs 1/F of the copies it would alone. A timed path's round reads its own layers plus other
-    formats' readers until the round spans 2 x cache / copies, and never its own timed copies twice."""
-    cache = 1 << 20
+    formats' readers until the round spans 2 x cache / copies (no reader past that), and never its own
+    timed copies twice."""
     monkeypatch.setattr(kernels, "effective_cache_bytes", lambda: cache)
     rounds = []
     monkeypatch.setattr(kernels, "_time_in_turn", lambda path, turn, best_so_far, first_samples=None, readers=():
@@ -678,7 +679,7 @@ def test_every_formats_copies_share_the_span_a_round_reads(monkeypatch):
     kernels._add_cold_copies(layers)
     readable = sum(c.reader is not None for layer in layers for c in layer.whole.values())
     assert readable == len(formats) * len(shapes)  # every float32 format runs here
-    copies = math.ceil(2 * cache / (readable * 128 * 1024))
+    copies = max(1, math.ceil(2 * cache / (readable * 128 * 1024)))
     assert {len(c.copies) for layer in layers for c in layer.whole.values()} == {copies}
 
     kernels.measure_shapes("float32", shapes)
@@ -689,6 +690,9 @@ def test_every_formats_copies_share_the_span_a_round_reads(monkeypatch):
         read = sum(4 * b.numel() * x.size(1) for _, b, _, x in turn)
         read += sum(4 * b.numel() * x.size(1) for _, _, b, _, x in readers)
         assert read >= 2 * cache / n
+        if readers:  # the last reader was needed: without it the round would fall short
+            _, _, b, _, x = readers[-1]
+            assert read - 4 * b.numel() * x.size(1) < 2 * cache / n
         timed = {id(copies) for copies, *_ in turn}
         assert not any(id(copies) in timed for _, copies, *_ in readers)
 
