@@ -258,7 +258,8 @@ def _why_not(choice: Choice) -> list[str]:
         if decode(fmt) > DECODE_SLACK * fastest:
             lines.append(f"not kept: {fmt}, {decode(fmt) / fastest:.2f}x the fastest decode")
         else:
-            lines.append(f"not kept: {fmt}, within {100 * (DECODE_SLACK - 1):.0f}% at decode ({decode(fmt) / kept:.2f}x "
+            slack = 100 * (DECODE_SLACK - 1)
+            lines.append(f"not kept: {fmt}, within {slack:.0f}% at decode ({decode(fmt) / kept:.2f}x "
                          f"{choice.format}'s) but further from the best of the other regimes")
     return lines
 
