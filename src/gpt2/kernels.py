@@ -429,6 +429,7 @@ def measure_shapes(precision: str, shapes: list[tuple[int, int, str | None]]) ->
     round still reads the whole block."""
     layers = [_layer(precision, shape) for shape in shapes]
     _add_cold_copies(layers)
+    span = 2 * effective_cache_bytes()  # what a round reads (over its copies) before a copy is read again
     formats = [f for f in formats_for(precision, "cpu") if not f.parts]  # a combined format: through its parts
     combined = [f for f in formats_for(precision, "cpu") if f.parts]
     for regime in REGIMES:  # decode first: it decides which formats go on (_fast_at_decode)
@@ -465,7 +466,7 @@ def measure_shapes(precision: str, shapes: list[tuple[int, int, str | None]]) ->
                         due.append(layer)
                     turn.append(layer)
                 if due:
-                    _measure_path(fmt, name, path, regime, turn if cold else due, layers)
+                    _measure_path(fmt, name, path, regime, turn if cold else due, layers, span)
     choices = []
     for layer in layers:
         timings = {f: paths for f, paths in layer.timings.items() if paths}
@@ -509,11 +510,12 @@ def _add_cold_copies(layers: list[_Layer]) -> None:
                 c.copies = _copies(c.format, layer.weight, layer.bias, c.tensors, read)
 
 
-def _measure_path(fmt, name: str, path, regime: str, layers: list[_Layer], turn_layers: list[_Layer]) -> None:
+def _measure_path(fmt, name: str, path, regime: str, layers: list[_Layer], turn_layers: list[_Layer],
+                  span: float) -> None:
     """Check one path at a regime on each of `layers`, then time it where it passed: at decode and batch
     on those layers in turn over their cold copies (_time_in_turn), each round followed by other
-    candidates' readers (of turn_layers: all that measure_shapes measures) until the round reads the span
-    the copies were made for; at short, prefill and long on each layer's one copy, whose check call is
+    candidates' readers (of turn_layers: all that measure_shapes measures) until the rounds read `span`
+    bytes, the span the copies were made for; at short, prefill and long on each layer's one copy, whose check call is
     the warm-up and first sample. Results go into the layers."""
     cold = regime in COLD_REGIMES
     key, passed, seconds = f"{fmt.name}/{name}", [], []
@@ -532,10 +534,10 @@ def _measure_path(fmt, name: str, path, regime: str, layers: list[_Layer], turn_
         turn = [(layer.whole[fmt.name].copies, layer.whole[fmt.name].bias, layer.shape[2], layer.inputs[regime])
                 for layer in passed]
         # The readers a round needs: with n copies, a copy is read again n rounds later, so a round must
-        # read 2 x cache / n bytes (the timed calls' own and the rest); past that they would only cost time
+        # read span / n bytes (the timed calls' own and the rest); past that they would only cost time
         # (GPT-2 124M's float32 layers in its four formats, one copy each, are 5.4x the span of a 64 MiB cache).
         rounds = len(turn[0][0]) if turn else 1
-        missing = 2 * effective_cache_bytes() / rounds - sum(_weight_bytes(layer.weight, fmt) for layer in passed)
+        missing = span / rounds - sum(_weight_bytes(layer.weight, fmt) for layer in passed)
         readers, timed = [], {id(layer) for layer in passed}
         for layer in turn_layers:
             for c in layer.whole.values():
