@@ -106,7 +106,7 @@ def _timed(fn, calls: int) -> float:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", dest="model_dir", help="an HF directory (default: random GPT-2 124M weights)")
-    ap.add_argument("--precisions", nargs="+", default=["float32", "bfloat16", "int8", "int4"])
+    ap.add_argument("--precisions", nargs="+", default=list(WEIGHT_BYTES), choices=list(WEIGHT_BYTES))
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
