@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from bench_cpu_inference import export_model, machine_report, time_decode
+from gpt2.kernels import WEIGHT_BYTES  # bytes a decode call reads per weight, at each precision
+from gpt2.quantize import PRECISIONS, layer_precision, linear_layers, load_for_inference
 
-WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.5}
-HEAD_BYTES = {"int4": 1}  # int4 keeps an int8 lm_head (quantize.HEAD_PRECISION)
+from bench_cpu_inference import export_model, machine_report, time_decode
 
 
 def best_ms(model, steps: int, repeats: int) -> float:
@@ -39,7 +39,6 @@ def best_ms(model, steps: int, repeats: int) -> float:
 
 
 def anatomy(model_dir: str, precision: str, steps: int, repeats: int) -> dict:
-    from gpt2.quantize import linear_layers, load_for_inference
     model = load_for_inference(model_dir, precision, "cpu")
     layers = [(getattr(parent, attr), attr) for parent, attr, _, _ in linear_layers(model)]
     decode = [layer.paths["decode"] for layer, _ in layers]  # the plan's paths, restored between measurements
@@ -75,8 +74,8 @@ def anatomy(model_dir: str, precision: str, steps: int, repeats: int) -> dict:
             layer.paths["decode"] = lambda x, args, bias, activation, y=y: y
         result["no-op"] = best_ms(model, steps, repeats)
 
-        floats = [int(layer.in_features * layer.out_features * HEAD_BYTES.get(precision, WEIGHT_BYTES[precision])
-                      if attr == "lm_head" else layer.in_features * layer.out_features * WEIGHT_BYTES[precision]) // 4
+        # float32 elements a stand-in sums: the weight's bytes at its layer's precision (int4's lm_head is int8)
+        floats = [int(layer.in_features * layer.out_features * WEIGHT_BYTES[layer_precision(precision, attr)]) // 4
                   for layer, attr in layers]
         buffer = torch.ones(3 * sum(floats))  # read in rotation: a slice is read again after twice the model
         at = [0]
@@ -106,7 +105,7 @@ def _timed(fn, calls: int) -> float:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", dest="model_dir", help="an HF directory (default: random GPT-2 124M weights)")
-    ap.add_argument("--precisions", nargs="+", default=list(WEIGHT_BYTES), choices=list(WEIGHT_BYTES))
+    ap.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
