@@ -124,7 +124,8 @@ def test_int4_groups_error_is_half_a_step():
 def test_int4pack_dequantize_reads_the_kernels_own_layout_exactly():
     """The bf16 weight read back from _weight_int4pack_mm_for_cpu's packed form is (q - 8) s + z of
     every element (computed independently here), and the kernel's own product with the identity
-    agrees with it: the layout assumption is the kernel's."""
+    agrees with it: the layout assumption is the kernel's. Read back in float32 ("dequant fp32"), it is
+    (q - 8) s + z within one float32 rounding: (q - 8) s, a 4-bit integer times a bf16, is exact."""
     from gpt2.quantize import int4pack_dequantize
     torch.manual_seed(0)
     N, K = 192, 128
@@ -134,6 +135,10 @@ def test_int4pack_dequantize_reads_the_kernels_own_layout_exactly():
     back = int4pack_dequantize(t["int4pack"], t["scales_zeros_padded"])
     assert back.dtype == torch.bfloat16
     torch.testing.assert_close(back.double(), dequantized("int4", w).to(torch.bfloat16).double(), rtol=0, atol=0)
+    back32 = int4pack_dequantize(t["int4pack"], t["scales_zeros_padded"], torch.float32)
+    assert back32.dtype == torch.float32
+    exact = dequantized("int4", w)
+    assert ((back32.double() - exact).abs() <= 2 ** -24 * exact.abs()).all()
     eye = torch.eye(K, dtype=torch.bfloat16)
     kernel_view = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, t["int4pack"], INT4_GROUP, t["scales_zeros_padded"])
     torch.testing.assert_close(kernel_view.t().double(), back.double(), rtol=2 ** -8, atol=1e-6)
@@ -245,11 +250,12 @@ def test_every_path_matches_its_reference(fmt, activation):
             assert excess <= 1e-6, f"{fmt.name}/{name} at {rows} rows: error exceeds the bound by {excess}"
 
 
-def test_int4_dequantized_in_blocks_of_rows_equals_the_whole(monkeypatch):
-    """int4pack's "dequant bf16" makes DEQUANT_BLOCK weights bf16 per GEMM call (a large weight whole
-    page-faults each call). Three blocks of 64 rows compute what one block over the whole weight does:
-    the same bf16 weights, bias and GELU; the two differ only by the GEMM's order of summation, within
-    bf16's rounding of each output."""
+@pytest.mark.parametrize("path, dtype", [("dequant bf16", torch.bfloat16), ("dequant fp32", torch.float32)])
+def test_int4_dequantized_in_blocks_of_rows_equals_the_whole(monkeypatch, path, dtype):
+    """int4pack's "dequant bf16" and "dequant fp32" make DEQUANT_BLOCK[dtype] weights per GEMM call (a
+    large weight whole page-faults each call). Three blocks of 64 rows compute what one block over the
+    whole weight does: the same weights, bias and GELU; the two differ only by the GEMM's order of
+    summation, within bf16's rounding of each output (both paths return bf16)."""
     from gpt2 import quantize
     torch.manual_seed(0)
     N, K = 192, 64  # read in 3 blocks of 64 rows (a width that is not a multiple of 64 rejects the path)
@@ -258,10 +264,11 @@ def test_int4_dequantized_in_blocks_of_rows_equals_the_whole(monkeypatch):
     t = {k: getattr(v, "obj", v) for k, v in fmt.pack(w, b.float()).items()}
     x = torch.randn(300, K).to(torch.bfloat16)
     for activation in (None, "gelu_tanh"):
-        whole = fmt.paths["dequant bf16"](x, t, b, activation)
-        monkeypatch.setattr(quantize, "DEQUANT_BLOCK", 64 * K)
-        blocks = fmt.paths["dequant bf16"](x, t, b, activation)
+        whole = fmt.paths[path](x, t, b, activation)
+        monkeypatch.setitem(quantize.DEQUANT_BLOCK, dtype, 64 * K)
+        blocks = fmt.paths[path](x, t, b, activation)
         monkeypatch.undo()
+        assert whole.dtype == blocks.dtype == torch.bfloat16
         assert blocks.shape == whole.shape == (300, N)
         torch.testing.assert_close(blocks.float(), whole.float(), rtol=2 ** -7, atol=1e-3)
 

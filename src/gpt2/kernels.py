@@ -72,7 +72,7 @@ from gpt2.quantize import (CPU_FORMATS, KV_DTYPES, REGIMES, WeightFormat, _Packe
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 15 # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
+CACHE_VERSION = 16 # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
                    # 4: the bf16 oneDNN format keeps only its packed weight (no float32-GEMM path);
                    # 5: entries keyed by the layer's own precision (int4 and int8 plans share the int8 lm_head);
                    # 6: int4's "dequant bf16" writes a (K, N) weight and fuses bias and GELU; paths cast their
@@ -86,7 +86,7 @@ CACHE_VERSION = 15 # 2: decode copies own their storage (version 1 timed float32
                    # "dequant bf16" reads AVX2's and plain CPUs' packing too (quantize.int4pack_layout);
                    # 13: decode and batch call a block's layers in turn (measure_shapes), not one shape alone;
                    # 14: and the lm_head after them (_turns), not alone; 15: every format's copies are read in
-                   # every round (_reader), so they share the span
+                   # every round (_reader), so they share the span; 16: int4's "dequant fp32" (MKL's GEMM)
 # The files cached_measurement keeps (training.json, lm_head.json, cpu_cache.json) carry their own version:
 # a change to the kernel plans above leaves them valid.
 MEASUREMENT_CACHE_VERSION = 5

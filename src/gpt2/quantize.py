@@ -233,8 +233,10 @@ def _nibbles_in_row_order(blocks: torch.Tensor, order: str) -> torch.Tensor:
     return torch.stack((blocks & 15, blocks >> 4), dim=-1).flatten(-2)
 
 
-def int4pack_dequantize(packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
-    """The bf16 weight (N, K) that _weight_int4pack_mm_for_cpu computes with, from its own packed form.
+def int4pack_dequantize(packed: torch.Tensor, scales_zeros: torch.Tensor,
+                        dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The weight (N, K) that _weight_int4pack_mm_for_cpu computes with, from its own packed form: in
+    bf16, or in float32 as the kernel itself computes (q - 8) s + z before multiplying.
 
     packed (N, K/2) uint8 in the kernel's layout (int4pack_layout: blocks of 64 or 32 rows on AVX-512
     and AVX2 CPUs); scales_zeros (K/group, N, 2) bf16. A torch or CPU whose layout is none of the known
@@ -253,41 +255,50 @@ def int4pack_dequantize(packed: torch.Tensor, scales_zeros: torch.Tensor) -> tor
         raise RuntimeError(f"the CPU int4 packing is read in blocks of {block} rows; {N} rows are not")
     G = scales_zeros.size(0)
     blocks = packed.view(N // block, G, K // G, block // 2)
-    q = _nibbles_in_row_order(blocks, order).to(torch.bfloat16).sub_(8)  # (N/block, G, K/G, block): q - 8, exact
-    scale = scales_zeros[..., 0].reshape(G, N // block, 1, block).transpose(0, 1).contiguous()  # (N/block, G, 1, block)
-    zero = scales_zeros[..., 1].reshape(G, N // block, 1, block).transpose(0, 1).contiguous()
-    w = torch.addcmul(zero, q, scale)  # (q - 8) s + z, rounded once to bf16: (N/block, G, K/G, block)
+    q = _nibbles_in_row_order(blocks, order).to(dtype).sub_(8)  # (N/block, G, K/G, block): q - 8, exact
+    by_block = scales_zeros.to(dtype).reshape(G, N // block, block, 2).transpose(0, 1)  # (N/block, G, block, 2)
+    scale = by_block[..., 0].unsqueeze(2).contiguous()  # (N/block, G, 1, block)
+    zero = by_block[..., 1].unsqueeze(2).contiguous()
+    w = torch.addcmul(zero, q, scale)  # (q - 8) s + z, in bf16 rounded once: (N/block, G, K/G, block)
     return w.view(N // block, K, block).permute(1, 0, 2).reshape(K, N).t()  # (N, K), strides (1, N)
 
 
-# Weights _int4pack_dequant makes bf16 per GEMM call: 8 MB, so 124M's and 355M's weights stay whole.
-# Dequantized whole, a 6400x1600 weight (gpt2-xl's c_fc) has intermediates of 10-20 MB, fresh allocations
-# that page-fault on every call: 28-34 ms a call at any row count, against 12-18 ms in blocks of this
-# size (Intel Xeon, BENCHMARKS.md).
-DEQUANT_BLOCK = 1 << 22
+# Weights _int4pack_dequant makes `dtype` per GEMM call. Dequantized whole, a 6400x1600 weight (gpt2-xl's
+# c_fc) has intermediates of 10-20 MB, fresh allocations that page-fault on every call: 28-34 ms a call at
+# any row count, against 12-18 ms in blocks of 4M bf16 weights (Intel Xeon, BENCHMARKS.md), so 124M's and
+# 355M's weights stay whole in bf16. In float32 blocks of 4M weights page-faulted already at 124M's
+# 2304x768 (13.2 against 8.6 ms at 512 rows with glibc's heap kept); 786K ran fastest across its shapes.
+DEQUANT_BLOCK = {torch.bfloat16: 1 << 22, torch.float32: 3 << 18}
 
 
-def _int4pack_dequant(x, t, bias, activation):
-    # Long prefills: the weight made bf16 once per call, a block of output rows at a time, each block
-    # multiplied by oneDNN's bf16 GEMM with the bias and GELU fused; for hundreds of rows this runs
-    # faster than the int4 kernel's own (measured by kernels.py).
-    packed, scales_zeros, n_out = t["int4pack"], t["scales_zeros_padded"], t["out_features"]
-    x = x.to(torch.bfloat16)
-    b = None if bias is None else bias.to(torch.bfloat16)
-    post_op = ("none", "") if activation is None else ("gelu", "tanh")
-    block = (int4pack_layout() or (64,))[0]  # None: int4pack_dequantize raises below
-    rows = max(block, DEQUANT_BLOCK // x.size(1) // block * block)  # whole blocks of the packing's rows
-    onednn = onednn_runs(torch.bfloat16)  # else (AVX2) ATen's bf16 GEMM, slower: kernels.py measures it so
-    ys = []
-    for start in range(0, n_out, rows):
-        stop = min(start + rows, n_out)
-        w = int4pack_dequantize(packed[start:start + rows], scales_zeros[:, start:start + rows])
-        w, b_rows = w[: stop - start], None if b is None else b[start:stop]  # padding rows dropped
-        if onednn:
-            ys.append(torch.ops.mkldnn._linear_pointwise(x, w, b_rows, post_op[0], [], post_op[1]))
-        else:
-            ys.append(_act(F.linear(x, w, b_rows), activation))
-    return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
+def _int4pack_dequant(dtype: torch.dtype) -> Path:
+    """Long prefills: the weight made `dtype` once per call, a block of output rows at a time, each block
+    multiplied by a GEMM in that dtype. For hundreds of rows this runs faster than the int4 kernel's own
+    (measured by kernels.py): bf16 through oneDNN with the bias and GELU fused, where bf16 GEMMs are fast
+    (AMX, or an AMD EPYC's AVX512_BF16); float32 through MKL, where they run at half the float32 rate (an
+    Intel Xeon without AMX). y is bf16 either way, as from every int4 path: a bf16 KV cache then holds
+    c_attn's keys as they are (keys_are_bf16)."""
+    def path(x, t, bias, activation):
+        packed, scales_zeros, n_out = t["int4pack"], t["scales_zeros_padded"], t["out_features"]
+        x = x.to(dtype)
+        b = None if bias is None else bias.to(dtype)
+        post_op = ("none", "") if activation is None else ("gelu", "tanh")
+        block = (int4pack_layout() or (64,))[0]  # None: int4pack_dequantize raises below
+        rows = max(block, DEQUANT_BLOCK[dtype] // x.size(1) // block * block)  # whole blocks of the packing's rows
+        # bf16 without oneDNN (AVX2): ATen's bf16 GEMM, slower (kernels.py measures it so)
+        onednn = dtype == torch.bfloat16 and onednn_runs(torch.bfloat16)
+        ys = []
+        for start in range(0, n_out, rows):
+            stop = min(start + rows, n_out)
+            w = int4pack_dequantize(packed[start:start + rows], scales_zeros[:, start:start + rows], dtype)
+            w, b_rows = w[: stop - start], None if b is None else b[start:stop]  # padding rows dropped
+            if onednn:
+                y = torch.ops.mkldnn._linear_pointwise(x, w, b_rows, post_op[0], [], post_op[1])
+            else:
+                y = _act(F.linear(x, w, b_rows), activation)
+            ys.append(y.to(torch.bfloat16))  # each block rounded as it comes: half the bytes to join
+        return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
+    return path
 
 
 def _int4_dequant(x, t, bias, activation):
@@ -539,7 +550,8 @@ CPU_FORMATS: list[WeightFormat] = [
                         "dynamic onednn": {"u8s8 dynamic": "onednn u8s8 dynamic", "u8s8 per row": "onednn u8s8 per row",
                                            "int8pack_mm": "int8pack_mm", "dequant bf16": "dequant bf16"}}),
     WeightFormat("int4pack", "int4", _pack_int4(packed=True, unpacked=False), _int4_reference,
-                 {"int4pack_mm": _int4pack, "dequant bf16": _int4pack_dequant}, many_row_paths=("dequant bf16",),
+                 {"int4pack_mm": _int4pack, "dequant bf16": _int4pack_dequant(torch.bfloat16),
+                  "dequant fp32": _int4pack_dequant(torch.float32)}, many_row_paths=("dequant bf16", "dequant fp32"),
                  available=_has("aten", "_weight_int4pack_mm_for_cpu")),
 ]
 # Elsewhere (CUDA, MPS) each precision has one format; its GEMM libraries are not chosen from here.
