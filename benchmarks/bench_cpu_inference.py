@@ -19,6 +19,11 @@ them), GPT-2's shapes.
   roofline the measured memory bandwidth / weight bytes a decode step reads: the ceiling in tok/s; % of it,
            against the bandwidth read just before and after each run (it drifts 2x within minutes)
 
+--no-amx: our contenders (and Transformers) compute as on a CPU without AMX (an AMD EPYC, an older Xeon),
+on this machine's memory: oneDNN is capped at AVX512_CORE_BF16 (ONEDNN_MAX_CPU_ISA), Inductor's GEMM
+templates leave out their AMX micro-kernels, and the kernel plans and compiled graphs get caches of
+their own under the workdir (neither cache keys on either setting). llama.cpp is built without AMX.
+
 --quality RUN: a trained model (the quickstart `make demo` trains), its perplexity on the val split at
 each precision, ours and llama.cpp's (logits_all=True over the same tokens, on GGUFs of the same
 model), the increase over float32, and top-1 agreement with that tool's float32.
@@ -78,6 +83,9 @@ def worker_ours(args) -> dict:
 
     import torch
 
+    if args.no_amx:  # before Inductor first picks its vector ISA (cached for the process)
+        torch.cpu._is_amx_tile_supported = lambda: False
+        torch.cpu._is_amx_fp16_supported = lambda: False
     from gpt2.kv_cache import KVCache
     from gpt2.quantize import load_for_inference
     model = load_for_inference(args.model_dir, args.precision, "cpu", kv_dtype=args.kv_dtype)
@@ -269,7 +277,7 @@ def run_worker(kind: str, args, **extra) -> dict:
            "--long-prompt", str(args.long_prompt)]
     for key, value in extra.items():
         cmd += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])  # True: a flag
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **(args.no_amx_env if "llama" not in kind else {})}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{kind} {extra} failed:\n{done.stderr[-3000:]}")
@@ -281,6 +289,7 @@ def speed(args, model_dir: Path, gguf_dir: Path, n_weights: int) -> None:
     kv = f" kv {args.kv_dtype}" * (args.kv_dtype != "auto")
     for p in args.precisions:
         ours = {"precision": p, "model_dir": model_dir, "kv_dtype": args.kv_dtype}
+        ours.update({"no_amx": True} if args.no_amx else {})
         contenders.append((f"ours {p}{kv}", "ours", ours, OURS_BYTES[p]))
         if args.compile:  # every precision has a compiled decode step
             contenders.append((f"ours {p}{kv} compiled", "ours", {**ours, "compile": True}, OURS_BYTES[p]))
@@ -375,6 +384,7 @@ def main():
                     help="our KV cache's dtype, as load_for_inference takes it (llama.cpp's is f16)")
     ap.add_argument("--no-hf", action="store_true", help="skip Transformers")
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp (no benchmark venv)")
+    ap.add_argument("--no-amx", action="store_true", help="ours and Transformers as on a CPU without AMX (above)")
     ap.add_argument("--quality", metavar="MODEL", help="perplexity at each precision of this trained model")
     ap.add_argument("--data", default="data/shakespeare", help="--quality: a `gpt2 prepare` output with a val split")
     ap.add_argument("--quality-windows", type=int, default=64)
@@ -392,7 +402,14 @@ def main():
         sys.exit("no benchmark venv: run `make bench-cpu` (it builds llama-cpp-python into .bench-venv), or pass --no-llama")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_cpu_"))
     work.mkdir(parents=True, exist_ok=True)
+    args.no_amx_env = {}
+    if args.no_amx:
+        args.no_amx_env = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "XDG_CACHE_HOME": str(work / "no-amx" / "cache"),
+                           "TORCHINDUCTOR_CACHE_DIR": str(work / "no-amx" / "inductor")}
     machine_report()
+    if args.no_amx:
+        print("AMX emulated away for ours and Transformers (--no-amx): " +
+              ", ".join(f"{k}={v}" for k, v in args.no_amx_env.items()) + "; Inductor without AMX micro-kernels")
     model_dir = export_model(args.quality, args.preset, work / "hf") if not (work / "hf" / "config.json").exists() \
         else work / "hf"
     if args.quality:
