@@ -275,16 +275,16 @@ def _int4pack_dequant(dtype: torch.dtype) -> Path:
     """Long prefills: the weight made `dtype` once per call, a block of output rows at a time, each block
     multiplied by a GEMM in that dtype. For hundreds of rows this runs faster than the int4 kernel's own
     (measured by kernels.py): bf16 through oneDNN with the bias and GELU fused, where bf16 GEMMs are fast
-    (AMX, or an AMD EPYC's AVX512_BF16); float32 through MKL, where they run at half the float32 rate (an
-    Intel Xeon without AMX). y is bf16 either way, as from every int4 path: a bf16 KV cache then holds
-    c_attn's keys as they are (keys_are_bf16)."""
+    (AMX, or an AMD EPYC's AVX512_BF16); float32 through MKL, where bf16 GEMMs are slow (an Intel Xeon
+    without AMX: half the float32 rate, or without AVX512_BF16 at all). y is bf16 either way, as from
+    every int4 path: a bf16 KV cache then holds c_attn's keys as they are (keys_are_bf16)."""
     def path(x, t, bias, activation):
         packed, scales_zeros, n_out = t["int4pack"], t["scales_zeros_padded"], t["out_features"]
         x = x.to(dtype)
         b = None if bias is None else bias.to(dtype)
         post_op = ("none", "") if activation is None else ("gelu", "tanh")
         block = (int4pack_layout() or (64,))[0]  # None: int4pack_dequantize raises below
-        rows = max(block, DEQUANT_BLOCK[dtype] // x.size(1) // block * block)  # whole blocks of the packing's rows
+        rows = max(block, DEQUANT_BLOCK[dtype] // x.size(1) // block * block)  # whole blocks of its packing
         # bf16 without oneDNN (AVX2): ATen's bf16 GEMM, slower (kernels.py measures it so)
         onednn = dtype == torch.bfloat16 and onednn_runs(torch.bfloat16)
         ys = []
@@ -551,7 +551,8 @@ CPU_FORMATS: list[WeightFormat] = [
                                            "int8pack_mm": "int8pack_mm", "dequant bf16": "dequant bf16"}}),
     WeightFormat("int4pack", "int4", _pack_int4(packed=True, unpacked=False), _int4_reference,
                  {"int4pack_mm": _int4pack, "dequant bf16": _int4pack_dequant(torch.bfloat16),
-                  "dequant fp32": _int4pack_dequant(torch.float32)}, many_row_paths=("dequant bf16", "dequant fp32"),
+                  "dequant fp32": _int4pack_dequant(torch.float32)},
+                 many_row_paths=("dequant bf16", "dequant fp32"),
                  available=_has("aten", "_weight_int4pack_mm_for_cpu")),
 ]
 # Elsewhere (CUDA, MPS) each precision has one format; its GEMM libraries are not chosen from here.
