@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/bench_cpu_inference.py --rounds 3
     .venv/bin/python benchmarks/bench_cpu_inference.py --preset gpt2-xl --rounds 1 --decode-steps 32 --no-hf
     .venv/bin/python benchmarks/bench_cpu_inference.py --quality runs/quickstart --data data/shakespeare
+    .venv/bin/python benchmarks/bench_cpu_inference.py --load --preset gpt2-xl --rounds 3   # seconds, peak RSS
 
 Every contender runs in its own subprocess (a fresh process: no allocator or thread-pool state
 carried over), one after another, in an order rotated every round; the table gives medians over
@@ -23,6 +24,11 @@ them), GPT-2's shapes.
 on this machine's memory: oneDNN is capped at AVX512_CORE_BF16 (ONEDNN_MAX_CPU_ISA), Inductor's GEMM
 templates leave out their AMX micro-kernels, and the kernel plans and compiled graphs get caches of
 their own under the workdir (neither cache keys on either setting). llama.cpp is built without AMX.
+
+--load: loading instead, file to a model ready to generate, each load in a fresh process: its seconds,
+and the peak and final RSS above the process before it (libraries imported). Ours: load_for_inference
+(each linear packed as it is read); llama.cpp: Llama() with a 64-token context (it maps the GGUF: its
+RSS counts the pages it touched); Transformers: GPT2LMHeadModel.from_pretrained.
 
 --quality RUN: a trained model (the quickstart `make demo` trains), its perplexity on the val split at
 each precision, ours and llama.cpp's (logits_all=True over the same tokens, on GGUFs of the same
@@ -219,8 +225,53 @@ def quality_llama(args) -> dict:
     return {"nll": float(np.concatenate(nll).mean()), "argmax": np.concatenate(argmax).tolist()}
 
 
+# ---------------------------------------------------------------------------------------------
+# load workers (--load): seconds and memory from the file to a model ready to generate
+# ---------------------------------------------------------------------------------------------
+
+def _status_bytes(key: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def measure_load(load) -> dict:
+    """Seconds of load(), and the process's peak and final RSS counted from just before it, in MB.
+    The libraries are imported before: the load alone is measured."""
+    import time
+    before = _status_bytes("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM (the peak RSS) restarts from the RSS now
+    start = time.perf_counter()
+    model = load()
+    seconds = time.perf_counter() - start
+    peak, after = _status_bytes("VmHWM") - before, _status_bytes("VmRSS") - before
+    del model
+    return {"seconds": seconds, "peak_mb": peak / 1e6, "rss_mb": after / 1e6}
+
+
+def load_ours(args) -> dict:
+    from gpt2.quantize import load_for_inference
+    return measure_load(lambda: load_for_inference(args.model_dir, args.precision, "cpu"))
+
+
+def load_hf(args) -> dict:
+    import transformers
+    return measure_load(lambda: transformers.GPT2LMHeadModel.from_pretrained(args.model_dir))
+
+
+def load_llama(args) -> dict:
+    from llama_cpp import Llama
+    threads = int(os.environ.get("BENCH_THREADS") or os.cpu_count())
+    # A small context: its KV cache and compute buffers stay small beside the weights (ours holds none yet)
+    return measure_load(lambda: Llama(model_path=args.gguf, n_ctx=64, n_batch=64, n_ubatch=64, n_threads=threads,
+                                      verbose=False))
+
+
 WORKERS = {"ours": worker_ours, "hf": worker_hf, "llama": worker_llama,
-           "quality-ours": quality_ours, "quality-llama": quality_llama}
+           "quality-ours": quality_ours, "quality-llama": quality_llama,
+           "load-ours": load_ours, "load-hf": load_hf, "load-llama": load_llama}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,6 +395,33 @@ def speed(args, model_dir: Path, gguf_dir: Path, n_weights: int) -> None:
             print(f"  {name[5:]}: " + ", ".join(f"{x:.2f}" for x in ratios) + f"; median {statistics.median(ratios):.2f}x")
 
 
+def loading(args, model_dir: Path, gguf_dir: Path) -> None:
+    """--load: each contender loads the model in a fresh process, rounds rotating; medians. A first,
+    untimed load of each puts the files in the page cache and measures our kernel plan (kernels.py)."""
+    contenders = [("transformers fp32", "load-hf", {"model_dir": model_dir})] * (not args.no_hf)
+    for p in args.precisions:
+        contenders.append((f"ours {p}", "load-ours", {"precision": p, "model_dir": model_dir}))
+        if not args.no_llama:
+            contenders.append((f"llama.cpp {LLAMA[p]}", "load-llama", {"gguf": make_gguf(model_dir, p, gguf_dir)}))
+    for name, kind, extra in contenders:
+        run_worker(kind, args, **extra)
+    results = {name: [] for name, *_ in contenders}
+    for r in range(args.rounds):
+        order = contenders[r % len(contenders):] + contenders[: r % len(contenders)]
+        for name, kind, extra in order:
+            results[name].append(run_worker(kind, args, **extra))
+            print(f"  round {r + 1}: {name}: {results[name][-1]}", flush=True)
+    files = {"safetensors": (model_dir / "model.safetensors").stat().st_size}
+    files.update({f"gguf {LLAMA[p]}": make_gguf(model_dir, p, gguf_dir).stat().st_size for p in args.precisions
+                  if not args.no_llama})
+    print("\nfiles: " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in files.items()))
+    print("\n| contender | load (s) | peak RSS during the load (MB) | RSS after it (MB) |")
+    print("| --- | --- | --- | --- |")
+    for name, runs in results.items():
+        m = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
+        print(f"| {name} | {m['seconds']:.2f} | {m['peak_mb']:.0f} | {m['rss_mb']:.0f} |")
+
+
 def quality(args, model_dir: Path, gguf_dir: Path) -> None:
     import numpy as np
 
@@ -386,6 +464,7 @@ def main():
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp (no benchmark venv)")
     ap.add_argument("--no-amx", action="store_true", help="ours and Transformers as on a CPU without AMX (above)")
     ap.add_argument("--quality", metavar="MODEL", help="perplexity at each precision of this trained model")
+    ap.add_argument("--load", action="store_true", help="loading instead: seconds, peak and final RSS (above)")
     ap.add_argument("--data", default="data/shakespeare", help="--quality: a `gpt2 prepare` output with a val split")
     ap.add_argument("--quality-windows", type=int, default=64)
     ap.add_argument("--workdir", default=None, help="keep the HF directory and GGUFs here (default: a temp dir)")
@@ -414,6 +493,9 @@ def main():
         else work / "hf"
     if args.quality:
         quality(args, model_dir, work)
+        return
+    if args.load:
+        loading(args, model_dir, work)
         return
     config = json.loads((model_dir / "config.json").read_text())
     C, L, V = config["n_embd"], config["n_layer"], config["vocab_size"]

@@ -293,6 +293,82 @@ def test_float32_plan_matches_the_plain_model():
     assert generate(fast, PROMPTS, max_new_tokens=20) == generate(model, PROMPTS, max_new_tokens=20)
 
 
+def packed_state(model) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer, oneDNN's packed tensors read back to plain ones."""
+    tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    return {name: t.to_dense() if t.is_mkldnn else t for name, t in tensors.items() if t is not None}
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_loading_packs_each_layer_as_it_is_read_as_apply_plan_packs_a_loaded_model(tmp_path, precision):
+    """load_for_inference packs each linear as soon as the loader has read it; apply_plan packs a model
+    loaded whole. Under one plan both must hold the same layers and tensors, and give the same logits."""
+    from conftest import save_hf_model
+    from gpt2.quantize import load_for_inference
+    save_hf_model(tmp_path / "m", n_embd=64, n_head=4)  # int4 groups of 32 along n_embd
+    streamed = load_for_inference(tmp_path / "m", precision, "cpu")
+    whole = GPT.from_pretrained(tmp_path / "m")
+    whole = apply_plan(whole, kernels.plan_for(whole, precision))  # the plan streamed measured: cached
+    assert repr(streamed) == repr(whole)  # formats, paths, fused GELU and the MLP's act made Identity
+    assert not streamed.training and streamed.lm_head.format.precision == whole.lm_head.format.precision
+    a, b = packed_state(streamed), packed_state(whole)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+    ids = torch.tensor([PROMPTS[0] * 4]) % streamed.config.vocab_size
+    with torch.inference_mode():
+        assert torch.equal(streamed(ids), whole(ids))
+
+
+@pytest.mark.slow
+def test_loading_at_int4_holds_one_float32_layer_not_the_float32_model(tmp_path):
+    """Twelve GPT-2 124M blocks (340 MB of float32 weights, vocabulary 1,024) loaded at int4 in a fresh
+    process, its plan measured first: the peak RSS of the load itself stays near the packed model
+    (about 70 MB of int4 weights and their scales), where loading the float32 model whole, as before,
+    peaked at 430-790 MB (BENCHMARKS.md)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+    config = GPTConfig(n_layer=12, n_head=12, n_embd=768, vocab_size=1024, n_positions=128)
+    with torch.device("meta"):
+        shapes = GPT(config)
+    tensors = {name: torch.randn(p.shape[::-1] if name.endswith(".weight") and ".h." in name and "ln_" not in name
+                                 else p.shape) * 0.02 for name, p in shapes.named_parameters()}
+    weight_bytes = sum(t.numel() * 4 for t in tensors.values())
+    (tmp_path / "m").mkdir()
+    save_file(tensors, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    del tensors
+    script = """
+import re, sys, torch
+from gpt2 import GPT
+from gpt2.kernels import plan_for
+from gpt2.quantize import load_for_inference
+from gpt2.weights import resolve_config
+def status(key):
+    return int(re.search(key + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+with torch.device("meta"):
+    shapes = GPT(resolve_config(sys.argv[1]).config)
+plan_for(shapes, "int4", "cpu")  # read from the cache the first run wrote: this one measures nothing
+before = status("VmRSS")
+open("/proc/self/clear_refs", "w").write("5")  # VmHWM counts from here
+load_for_inference(sys.argv[1], "int4", "cpu")
+print(status("VmHWM") - before)
+"""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}  # never the user's kernel cache
+    # The first run measures the plan (its copies, freed, would stay in the heap for the load to reuse)
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", script, str(tmp_path / "m")], capture_output=True, text=True,
+                             env=env)
+        assert run.returncode == 0, run.stderr
+    peak = int(run.stdout.split()[-1])
+    print(f"loading at int4 peaked {peak / 1e6:.0f} MB above the process for {weight_bytes / 1e6:.0f} MB of float32")
+    assert peak < 0.5 * weight_bytes
+
+
 def assert_equal_up_to_bf16_ties(model, fast: list[list[int]], naive: list[list[int]]):
     """Rows agree token for token, except that at a step where the two top logits are equal to within
     bf16's rounding (2^-7 of the largest logit: bf16 keeps 8 bits), either token is right; the

@@ -214,6 +214,35 @@ def test_wrong_architecture_names_the_keys(hf_model_dir):
         GPT.from_pretrained(directory)
 
 
+def test_replace_linear_gets_each_linear_once_as_read_and_the_tied_lm_head_last(hf_model_dir):
+    """load_model(replace_linear=...) hands over each nn.Linear's weight and bias, as the plain load reads
+    them, for the callback to put its own layer in place (quantize.load_for_inference packs them)."""
+    hf, directory = hf_model_dir()
+    reference = GPT.from_pretrained(directory)
+    calls = []
+
+    def replace(model, name, weight, bias):
+        calls.append(name)
+        expected = reference.get_submodule(name)
+        assert torch.equal(weight, expected.weight)
+        assert (bias is None) == (expected.bias is None) and (bias is None or torch.equal(bias, expected.bias))
+        parent, _, attr = name.rpartition(".")
+        layer = torch.nn.Linear(weight.size(1), weight.size(0), bias=bias is not None)
+        layer.weight, layer.bias = torch.nn.Parameter(weight), None if bias is None else torch.nn.Parameter(bias)
+        setattr(model.get_submodule(parent), attr, layer)
+
+    model = GPT.from_pretrained(directory, replace_linear=replace)
+    linears = [name for name, m in reference.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert sorted(calls) == sorted(linears) and calls[-1] == "lm_head" and len(calls) == len(set(calls))
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()  # handed over tied
+    idx = sample_ids()
+    with torch.no_grad():
+        assert torch.equal(model(idx), reference(idx))
+    edit_config(directory, n_layer=3)  # strict as ever: the missing block is named, whatever was replaced
+    with pytest.raises(CheckpointError, match=r"missing key 'transformer.h.2.ln_1.weight'"):
+        GPT.from_pretrained(directory, replace_linear=replace)
+
+
 def test_unexpected_keys_are_named(hf_model_dir):
     _, directory = hf_model_dir()
     edit_config(directory, n_layer=1)

@@ -38,6 +38,7 @@ The activation of c_fc (GELU) is fused into the GEMM as a oneDNN post-op where t
 from __future__ import annotations
 
 import copy
+import ctypes
 import functools
 import itertools
 import logging
@@ -690,18 +691,21 @@ class FastLinear(nn.Module):
 
 
 def linear_layers(model) -> list[tuple[nn.Module, str, nn.Linear, str | None]]:
-    """Every (parent, attribute, nn.Linear, fused activation) the inference formats replace.
-
-    c_fc takes GPT-2's tanh-GELU along when the MLP uses it (the MLP's act then becomes Identity).
-    """
+    """Every (parent, attribute, nn.Linear, fused activation) the inference formats replace."""
     found = []
     for block in model.transformer.h:
-        gelu = model.config.activation_function in ("gelu_new", "gelu_pytorch_tanh")
-        found += [(block.attn, "c_attn", block.attn.c_attn, None), (block.attn, "c_proj", block.attn.c_proj, None),
-                  (block.mlp, "c_fc", block.mlp.c_fc, "gelu_tanh" if gelu else None),
-                  (block.mlp, "c_proj", block.mlp.c_proj, None)]
+        found += [(block.attn, attr, getattr(block.attn, attr), fused_activation(model.config, attr))
+                  for attr in ("c_attn", "c_proj")]
+        found += [(block.mlp, attr, getattr(block.mlp, attr), fused_activation(model.config, attr))
+                  for attr in ("c_fc", "c_proj")]
     found.append((model, "lm_head", model.lm_head, None))
     return found
+
+
+def fused_activation(config, attr: str) -> str | None:
+    """c_fc takes GPT-2's tanh-GELU along when the MLP uses it (the MLP's act then becomes Identity)."""
+    gelu = config.activation_function in ("gelu_new", "gelu_pytorch_tanh")
+    return "gelu_tanh" if attr == "c_fc" and gelu else None
 
 
 @torch.no_grad()
@@ -711,14 +715,20 @@ def apply_plan(model: nn.Module, plan) -> nn.Module:
     model.float()
     device_type = model.transformer.wte.weight.device.type
     for parent, attr, linear, activation in linear_layers(model):
-        # The residual projections feed the float32 residual add; a c_fc with its GELU fused feeds the
-        # MLP's c_proj. c_attn (attention runs in float32) and the lm_head (float32 logits) cast back.
-        feeds_linear_or_residual = attr == "c_proj" or (attr == "c_fc" and activation is not None)
-        setattr(parent, attr, planned_linear(plan, attr, linear.weight, linear.bias, activation, device_type,
-                                             returns_kernel_dtype=feeds_linear_or_residual))
-        if activation is not None:
-            parent.act = nn.Identity()
+        place_planned_linear(plan, parent, attr, linear.weight, linear.bias, activation, device_type)
     return model.eval()
+
+
+def place_planned_linear(plan, parent: nn.Module, attr: str, weight: torch.Tensor, bias: torch.Tensor | None,
+                         activation: str | None, device_type: str) -> None:
+    """parent.attr becomes the FastLinear the plan gives it, holding weight (N, K) and bias."""
+    # The residual projections feed the float32 residual add; a c_fc with its GELU fused feeds the
+    # MLP's c_proj. c_attn (attention runs in float32) and the lm_head (float32 logits) cast back.
+    feeds_linear_or_residual = attr == "c_proj" or (attr == "c_fc" and activation is not None)
+    setattr(parent, attr, planned_linear(plan, attr, weight, bias, activation, device_type,
+                                         returns_kernel_dtype=feeds_linear_or_residual))
+    if activation is not None:
+        parent.act = nn.Identity()
 
 
 def planned_linear(plan, attr: str, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
@@ -761,6 +771,25 @@ def _returns_bf16(layer: FastLinear) -> bool:
         return layer.output_dtypes() == {torch.bfloat16}
 
 
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (macOS, musl): its allocator is left as it is
+        return None
+
+
+def return_freed_memory() -> None:
+    """Hand back to the system the free pages glibc's heap keeps between live allocations (malloc_trim).
+
+    Packing a layer frees its float32 weight and temporaries among the packed tensors already made;
+    glibc keeps such holes for later, so loading GPT-2 124M-sized blocks at int4 left 85-390 MB of
+    them (it varied from run to run) where the packed model holds 70 (BENCHMARKS.md)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 def load_for_inference(name_or_path, dtype: str = "float32", device=None, verbose: bool = False,
                        kv_dtype: str = "auto"):
     """A model ready for generate, its linears in the kernels measured fastest here (kernels.py).
@@ -776,10 +805,23 @@ def load_for_inference(name_or_path, dtype: str = "float32", device=None, verbos
         raise ConfigError(f"dtype {dtype!r} is not supported for generation; choose {', '.join(PRECISIONS)}")
     if kv_dtype != "auto" and kv_dtype not in KV_DTYPES:
         raise ConfigError(f"kv_dtype {kv_dtype!r} is not supported; choose auto, {', '.join(KV_DTYPES)}")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = GPT.from_pretrained(name_or_path, device=device, dtype=torch.float32)
-    plan = plan_for(model, dtype)
-    model = apply_plan(model, plan)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    plan = None
+
+    @torch.no_grad()
+    def place(model, name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        # Each linear is packed as the loader reads it, so loading holds one layer's float32 weight beside
+        # the packed ones, never the whole float32 model (gpt2-xl at int4: BENCHMARKS.md).
+        nonlocal plan
+        if plan is None:  # the first layer read: every linear of the (meta) model is still an nn.Linear
+            plan = plan_for(model, dtype, device.type)
+        parent_name, _, attr = name.rpartition(".")
+        place_planned_linear(plan, model.get_submodule(parent_name), attr, weight, bias,
+                             fused_activation(model.config, attr), device.type)
+        return_freed_memory()  # the layers before this one: their float32 weights and temporaries
+
+    model = GPT.from_pretrained(name_or_path, device=device, dtype=torch.float32, replace_linear=place)
+    return_freed_memory()
     if kv_dtype == "auto":
         model.kv_dtype, why = kv_cache_dtype(model)
     else:

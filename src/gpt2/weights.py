@@ -373,24 +373,43 @@ def open_weights(name_or_path) -> tuple[Path, GPTConfig, str, list]:
     return directory, config, layout, _open_readers(directory)
 
 
-def load_model(name_or_path, device=None, dtype=None, vocab_multiple: int = 1) -> GPT:
-    """Build the model on the meta device, then fill it tensor by tensor, strictly."""
+def load_model(name_or_path, device=None, dtype=None, vocab_multiple: int = 1, replace_linear=None) -> GPT:
+    """Build the model on the meta device, then fill it tensor by tensor, strictly.
+
+    replace_linear(model, name, weight, bias), if given, is called for each nn.Linear as soon as its
+    tensors are read (the tied lm_head last, with wte's weight and no bias) and puts a layer of its own
+    at `name` (quantize.load_for_inference packs it): the float32 weights of a model loaded that way
+    are never all held at once, only one layer's beside the packed ones.
+    """
     where, config, layout, readers = open_weights(name_or_path)
     with torch.device("meta"):
         model = GPT(config, vocab_multiple=vocab_multiple)
-    state = _read_state(where, readers, model, layout, parse_dtype(dtype), device)
-    for name, tensor in state.items():
+    # a linear's name -> the names of its parameters still to come (the tied lm_head: none come)
+    awaited = {} if replace_linear is None else {
+        name: {p for p, _ in module.named_parameters(recurse=False)}
+        for name, module in model.named_modules() if isinstance(module, torch.nn.Linear) and name != "lm_head"}
+    read = {}  # a linear's name -> its tensors read so far
+    for name, tensor in _read_tensors(where, readers, model, layout, parse_dtype(dtype), device):
         module_name, _, attr = name.rpartition(".")
+        if module_name in awaited:
+            read.setdefault(module_name, {})[attr] = tensor
+            if read[module_name].keys() == awaited[module_name]:
+                tensors = read.pop(module_name)
+                replace_linear(model, module_name, tensors["weight"], tensors.get("bias"))
+            continue
         setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(tensor))
     model.lm_head.weight = model.transformer.wte.weight  # re-tie after replacing wte's parameter
+    if replace_linear is not None:
+        replace_linear(model, "lm_head", model.lm_head.weight, None)
     return model.eval()
 
 
-def _read_state(where: Path, readers: list, model: GPT, layout: str, dtype, device) -> dict[str, torch.Tensor]:
-    """Every parameter of the (meta) model, read from `readers`; CheckpointError listing what is off."""
+def _read_tensors(where: Path, readers: list, model: GPT, layout: str, dtype, device):
+    """Yields (name, tensor) for every parameter of the (meta) model, read from `readers` one at a time,
+    then raises CheckpointError listing what is off: a load that fails returns nothing it read."""
     config = model.config
     expected = {name: p for name, p in model.named_parameters()}  # the tied lm_head is listed once, as wte
-    state, problems = {}, []
+    seen, problems = set(), []
     buffer = torch.empty(4 * 2**20, dtype=torch.uint8)  # the one staging buffer for every tensor
     for reader in readers:
         for key in reader.keys():
@@ -416,14 +435,14 @@ def _read_state(where: Path, readers: list, model: GPT, layout: str, dtype, devi
                 file_dtype if file_dtype.is_floating_point else torch.float32))
             destination = tensor[: config.vocab_size] if name == "transformer.wte.weight" else tensor
             reader.read_into(key, destination.t() if transpose else destination, buffer)
-            state[name] = tensor.to(device) if device is not None else tensor
-    problems += [f"missing key {name!r}" for name in expected if name not in state and not any(
+            seen.add(name)
+            yield name, (tensor.to(device) if device is not None else tensor)
+    problems += [f"missing key {name!r}" for name in expected if name not in seen and not any(
         p.startswith(f"{name!r} ") for p in problems)]
     if problems:
         raise CheckpointError(f"{where}: weights do not match the config "
                               f"({config.n_layer} layers, width {config.n_embd}): " + "; ".join(problems[:10])
                               + (f"; and {len(problems) - 10} more" if len(problems) > 10 else ""))
-    return state
 
 
 # ---------------------------------------------------------------------------------------------
