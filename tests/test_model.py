@@ -281,6 +281,7 @@ def test_vocab_padding_never_leaks(hf_model_dir, tmp_path):
     hf, directory = hf_model_dir()
     padded = GPT.from_pretrained(directory, vocab_multiple=64)
     assert padded.transformer.wte.weight.shape[0] == 128
+    assert not padded.transformer.wte.weight[TINY["vocab_size"]:].any()  # the rows no file holds: zeros
     idx = torch.randint(0, TINY["vocab_size"], (2, 9))
     with torch.no_grad():
         logits = padded(idx)
