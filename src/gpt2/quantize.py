@@ -261,7 +261,7 @@ def int4pack_dequantize(packed: torch.Tensor, scales_zeros: torch.Tensor,
     by_block = scales_zeros.to(dtype).reshape(G, N // block, block, 2).transpose(0, 1)  # (N/block, G, block, 2)
     scale = by_block[..., 0].unsqueeze(2).contiguous()  # (N/block, G, 1, block)
     zero = by_block[..., 1].unsqueeze(2).contiguous()
-    w = torch.addcmul(zero, q, scale)  # (q - 8) s + z, in bf16 rounded once: (N/block, G, K/G, block)
+    w = torch.addcmul(zero, q, scale)  # (q - 8) s + z, rounded once to dtype: (N/block, G, K/G, block)
     return w.view(N // block, K, block).permute(1, 0, 2).reshape(K, N).t()  # (N, K), strides (1, N)
 
 
