@@ -32,7 +32,8 @@ RSS counts the pages it touched); Transformers: GPT2LMHeadModel.from_pretrained.
 
 --quality RUN: a trained model (the quickstart `make demo` trains), its perplexity on the val split at
 each precision, ours and llama.cpp's (logits_all=True over the same tokens, on GGUFs of the same
-model), the increase over float32, and top-1 agreement with that tool's float32.
+model), the increase over float32, the mean KL divergence from that tool's float32 predictions (each
+worker computes both, in one process), and top-1 agreement with that tool's float32.
 
 llama.cpp comes from llama-cpp-python, built from source in the benchmark venv `.bench-venv` (make
 bench-cpu makes it); GGUFs are written by our own exporter (`gpt2 convert`), Q4_0 by
@@ -186,25 +187,45 @@ def worker_llama(args) -> dict:
 # quality workers: perplexity over fixed windows of the val split
 # ---------------------------------------------------------------------------------------------
 
+def quality_summary(windows, logprobs, reference=None) -> dict:
+    """Over windows (W, T + 1) of token ids: the mean negative log-likelihood of each next token, the
+    argmax at every position and, given a reference (the same tool at float32), the mean KL divergence
+    KL(reference || this) per position, far less noisy than a perplexity difference (llama.cpp's own
+    perplexity tool reports it for the same reason). logprobs(ids (T,)) -> (T, V) float64 log-softmax."""
+    import numpy as np
+    nll, argmax, kl = [], [], []
+    for row in windows.astype(np.int64):
+        logp = logprobs(row[:-1])
+        nll.append(-logp[np.arange(len(row) - 1), row[1:]])
+        argmax.append(logp.argmax(1))
+        if reference is not None:
+            ref = reference(row[:-1])
+            kl.append((np.exp(ref) * (ref - logp)).sum(1))
+    return {"nll": float(np.concatenate(nll).mean()), "argmax": np.concatenate(argmax).tolist(),
+            "kl": float(np.concatenate(kl).mean()) if kl else 0.0}
+
+
 def quality_ours(args) -> dict:
     import numpy as np
     import torch
 
     from gpt2.kv_cache import KVCache
     from gpt2.quantize import load_for_inference
-    model = load_for_inference(args.model_dir, args.precision, "cpu")
-    windows = np.load(args.windows)  # (W, T + 1)
-    nll, argmax = [], []
-    with torch.inference_mode():
-        for row in windows:
-            x = torch.from_numpy(row[:-1].astype(np.int64)).view(1, -1)
+
+    def logprobs_of(precision: str):
+        model = load_for_inference(args.model_dir, precision, "cpu")
+
+        @torch.inference_mode()
+        def logprobs(ids: np.ndarray) -> np.ndarray:
+            x = torch.from_numpy(ids).view(1, -1)
             # A prefill into the KV cache generation uses (its dtype as kv_dtype "auto" chooses), as
             # llama.cpp's logits come from its own cache.
             logits = model(x, cache=KVCache.for_model(model, 1, x.size(1)))
-            logp = torch.log_softmax(logits[0].double(), dim=-1)  # (T, V)
-            nll.append(-logp.gather(1, torch.from_numpy(row[1:].astype(np.int64)).view(-1, 1)).squeeze(1).numpy())
-            argmax.append(logp.argmax(-1).numpy())
-    return {"nll": float(np.concatenate(nll).mean()), "argmax": np.concatenate(argmax).tolist()}
+            return torch.log_softmax(logits[0].double(), dim=-1).numpy()  # (T, V)
+        return logprobs
+
+    reference = logprobs_of("float32") if args.precision != "float32" else None
+    return quality_summary(np.load(args.windows), logprobs_of(args.precision), reference)
 
 
 def quality_llama(args) -> dict:
@@ -212,17 +233,21 @@ def quality_llama(args) -> dict:
     from llama_cpp import Llama
     windows = np.load(args.windows)
     T = windows.shape[1] - 1
-    llm = Llama(model_path=args.gguf, n_ctx=T, n_batch=T, n_ubatch=T, logits_all=True, verbose=False,
-                n_threads=os.cpu_count(), n_threads_batch=os.cpu_count())
-    nll, argmax = [], []
-    for row in windows:
-        llm.reset()
-        llm.eval([int(t) for t in row[:-1]])
-        logits = np.asarray(llm.scores[:T], dtype=np.float64)  # (T, V)
-        logz = logits.max(1) + np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1))
-        nll.append(logz - logits[np.arange(T), row[1:].astype(np.int64)])
-        argmax.append(logits.argmax(1))
-    return {"nll": float(np.concatenate(nll).mean()), "argmax": np.concatenate(argmax).tolist()}
+
+    def logprobs_of(gguf: str):
+        llm = Llama(model_path=gguf, n_ctx=T, n_batch=T, n_ubatch=T, logits_all=True, verbose=False,
+                    n_threads=os.cpu_count(), n_threads_batch=os.cpu_count())
+
+        def logprobs(ids: np.ndarray) -> np.ndarray:
+            llm.reset()
+            llm.eval([int(t) for t in ids])
+            logits = np.asarray(llm.scores[:T], dtype=np.float64)  # (T, V)
+            top = logits.max(1, keepdims=True)
+            return logits - top - np.log(np.exp(logits - top).sum(1, keepdims=True))
+        return logprobs
+
+    reference = logprobs_of(args.reference_gguf) if args.reference_gguf else None
+    return quality_summary(windows, logprobs_of(args.gguf), reference)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -434,18 +459,21 @@ def quality(args, model_dir: Path, gguf_dir: Path) -> None:
     path = gguf_dir / "windows.npy"
     np.save(path, windows)
     print(f"\nquality: {W} windows x {T} tokens of {args.data} val ({W * T:,} predictions)")
-    print("| precision | ours ppl | ours Δ vs fp32 | ours top-1 vs fp32 | llama.cpp | llama.cpp ppl | "
-          "llama.cpp Δ vs F32 | llama.cpp top-1 vs F32 |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| precision | ours ppl | ours Δ vs fp32 | ours KL vs fp32 | ours top-1 vs fp32 | llama.cpp | llama.cpp ppl | "
+          "llama.cpp Δ vs F32 | llama.cpp KL vs F32 | llama.cpp top-1 vs F32 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     ours = {p: run_worker("quality-ours", args, precision=p, model_dir=model_dir, windows=path) for p in args.precisions}
-    peers = {p: run_worker("quality-llama", args, gguf=make_gguf(model_dir, p, gguf_dir), windows=path)
+    f32 = make_gguf(model_dir, "float32", gguf_dir)
+    peers = {p: run_worker("quality-llama", args, gguf=make_gguf(model_dir, p, gguf_dir), windows=path,
+                           **({"reference_gguf": f32} if p != "float32" else {}))
              for p in args.precisions}
     for p in args.precisions:
         o, l = ours[p], peers[p]
         agree = lambda a, b: np.mean(np.asarray(a["argmax"]) == np.asarray(b["argmax"]))
         print(f"| {p} | {np.exp(o['nll']):.3f} | {np.exp(o['nll']) - np.exp(ours['float32']['nll']):+.3f} | "
-              f"{agree(o, ours['float32']):.2%} | {LLAMA[p]} | {np.exp(l['nll']):.3f} | "
-              f"{np.exp(l['nll']) - np.exp(peers['float32']['nll']):+.3f} | {agree(l, peers['float32']):.2%} |")
+              f"{o['kl']:.6f} | {agree(o, ours['float32']):.2%} | {LLAMA[p]} | {np.exp(l['nll']):.3f} | "
+              f"{np.exp(l['nll']) - np.exp(peers['float32']['nll']):+.3f} | {l['kl']:.6f} | "
+              f"{agree(l, peers['float32']):.2%} |")
 
 
 def main():
@@ -473,6 +501,7 @@ def main():
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--gguf", help=argparse.SUPPRESS)
     ap.add_argument("--windows", help=argparse.SUPPRESS)
+    ap.add_argument("--reference-gguf", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(WORKERS[args.worker](args)))

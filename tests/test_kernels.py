@@ -320,6 +320,33 @@ def test_loading_packs_each_layer_as_it_is_read_as_apply_plan_packs_a_loaded_mod
         assert torch.equal(streamed(ids), whole(ids))
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_below_float32_wte_is_the_float32_table_rounded_to_bf16_and_no_float32_table_is_kept(precision):
+    """Below float32, apply_plan makes wte a bf16 table, each row the float32 one rounded to bf16, and
+    the model holds no float32 (V, C) tensor beside it. The embedding is
+    the bf16 rows made float32, and the logits equal, bit for bit, those of the same model whose wte
+    is a float32 table of those rounded values. A float32 model keeps its float32 table. The KV cache's
+    dtype follows the activations (wpe's dtype), not the bf16 table."""
+    from gpt2.kv_cache import KVCache
+    model = apply_plan(tiny_model(), kernels.plan_for(tiny_model(), precision))
+    table = model.transformer.wte.weight
+    expected = tiny_model().transformer.wte.weight.detach()  # (V padded, C) float32
+    assert KVCache.for_model(model, 1, 8).k[0].dtype == torch.float32  # apply_plan sets no kv_dtype
+    if precision == "float32":
+        assert table.dtype == torch.float32 and torch.equal(table, expected)
+        return
+    assert table.dtype == torch.bfloat16 and torch.equal(table, expected.to(torch.bfloat16))
+    V, C = expected.shape
+    tensors = list(model.parameters()) + list(model.buffers())
+    assert not [t for t in tensors if t is not None and t.shape == (V, C) and t.dtype == torch.float32]
+    ids = torch.tensor([PROMPTS[0] * 4])
+    reference = apply_plan(tiny_model(), kernels.plan_for(tiny_model(), precision))
+    reference.transformer.wte = torch.nn.Embedding.from_pretrained(expected.to(torch.bfloat16).float())  # float32
+    with torch.inference_mode():
+        assert torch.equal(model.transformer.wte(ids), expected[ids].to(torch.bfloat16).float())
+        assert torch.equal(model(ids), reference(ids))
+
+
 @pytest.mark.slow
 def test_loading_at_int4_holds_one_float32_layer_not_the_float32_model(tmp_path):
     """Twelve GPT-2 124M blocks (340 MB of float32 weights, vocabulary 1,024) loaded at int4 in a fresh

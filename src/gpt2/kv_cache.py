@@ -28,8 +28,10 @@ from gpt2.errors import ContextLengthError, KVLimitExceeded
 
 
 def cache_dtype(model) -> torch.dtype:
-    """The dtype of model's KV caches: GPT.kv_dtype (load_for_inference's kv_dtype), else its weights'."""
-    return getattr(model, "kv_dtype", None) or model.transformer.wte.weight.dtype
+    """The dtype of model's KV caches: GPT.kv_dtype (load_for_inference's kv_dtype), else its activations':
+    wpe's dtype (wte's is no guide: a model packed below float32 looks tokens up in a bf16 table,
+    quantize.embedding_to_bf16, and computes in float32)."""
+    return getattr(model, "kv_dtype", None) or model.transformer.wpe.weight.dtype
 
 
 class KVCache:
