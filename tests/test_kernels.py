@@ -320,6 +320,36 @@ def test_loading_packs_each_layer_as_it_is_read_as_apply_plan_packs_a_loaded_mod
         assert torch.equal(streamed(ids), whole(ids))
 
 
+@pytest.mark.parametrize("fmt", [f for f in formats_for("bfloat16") if f.name in ("onednn", "plain")], ids=lambda f: f.name)
+def test_bf16_logits_around_a_large_offset_are_as_exact_as_the_weights_allow(fmt):
+    """GPT-2's logits share a large negative offset; a bf16 kernel rounds its output to bf16: by up to
+    0.125 at |logit| 32-64. A centered lm_head (quantize.CENTERED_LOGITS) computes each row around an
+    estimate of its largest logit and adds that back in float32. Against the float64 product of the bf16
+    weights and inputs, at every regime and path: the logits within 4 of their row's largest (those
+    that carry the probability) within 0.02, all within 0.07, where the plain kernel is off by more
+    than 0.06. Its weight reads back without the offset column."""
+    torch.manual_seed(0)
+    N, K = 4096, 64
+    w = torch.randn(N, K) * 0.3
+    w[:, 0] = -60.0  # with x[:, 0] = 1 below: every logit near -60, as GPT-2's are
+    for rows in (1, 8, 64, 128, 512):
+        x = torch.randn(rows, K)
+        x[:, 0] = 1.0
+        exact = x.to(torch.bfloat16).double() @ w.to(torch.bfloat16).double().t()  # (rows, N)
+        for path in fmt.paths:
+            centered = FastLinear(fmt, w, None, {r: path for r in kernels.REGIMES}, centers_logits=True)
+            plain = FastLinear(fmt, w, None, {r: path for r in kernels.REGIMES})
+            with torch.inference_mode():
+                y, y_plain = centered(x), plain(x)
+            assert y.dtype == torch.float32 and y.shape == (rows, N)
+            error, plain_error = (y.double() - exact).abs(), (y_plain.double() - exact).abs()
+            top = exact >= exact.amax(dim=1, keepdim=True) - 4  # the logits that carry the probability
+            assert error[top].max() < 0.02 and error.max() < 0.07, (rows, path)
+            if path != "fp32 GEMM":  # a bf16 kernel rounds its output to bf16: what centering fixes
+                assert plain_error[top].max() > 0.06, (rows, path)
+    assert torch.equal(centered.reference_weight(), w.to(torch.bfloat16).double())
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_below_float32_wte_is_the_float32_table_rounded_to_bf16_and_no_float32_table_is_kept(precision):
     """Below float32, apply_plan makes wte a bf16 table, each row the float32 one rounded to bf16, and

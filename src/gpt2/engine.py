@@ -801,9 +801,8 @@ def quantized_copy(model, precision: str):
     state = {name: t.float() for name, t in model.state_dict().items()}
     for name, layer in model.named_modules():
         if isinstance(layer, FastLinear):
-            args = layer.kernel_args
             try:
-                state[f"{name}.weight"] = layer.format.reference_weight(args.get("weight"), args).float()
+                state[f"{name}.weight"] = layer.reference_weight().float()
             except ValueError as e:
                 raise ConfigError(f"{name} is packed as {layer.format.precision} {layer.format.name}, whose weights "
                                   f"cannot be read back ({e}); quantize the model before packing it") from None

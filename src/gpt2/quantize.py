@@ -628,12 +628,50 @@ def regime_of(rows: int) -> str:
     return "prefill" if rows < LONG_ROWS else "long"
 
 
+# Centered logits (FastLinear's centers_logits, for the lm_head at these precisions): a bf16 kernel
+# returns bf16 logits, whose rounding grows with their size, and GPT-2's logits share a large negative
+# offset (around -60 for the released 124M in published examples), where a bf16 step is 0.25-0.5. Each
+# row is computed around an estimate of its largest logit, c = the row's mean logit + OFFSET_SPREADS
+# standard deviations (logit_offset, from statistics of the weight's rows): the kernel computes
+# x w_j - c in float32 (-c an extra input column, against a column of ones in the weight), rounds that
+# to bf16, and c is added back in float32. On the quickstart model with an offset of -60 built in, the
+# KL divergence from float32 went from 0.0023 to 0.00004, and 0.00005 to 0.00003 without (BENCHMARKS.md).
+CENTERED_LOGITS = {"bfloat16"}
+OFFSET_SPREADS = 4.0
+OFFSET_DIRECTIONS = 8
+OFFSET_SAMPLE_ROWS = 4096  # rows the mean and directions are estimated from: an estimate needs no more
+OFFSET_BASIS = ("offset_mean", "offset_directions", "offset_variances", "offset_rest")
+
+
+def logit_offset_basis(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """w (N, K) -> what the logits' offset is estimated from, float32 (from every N/4096th row): their mean
+    (K,), so that x . mean is the mean of x w_j over the rows j; the top r principal directions (K, r) and
+    the variances along them (r,), and the mean variance along the others (a scalar), so that
+    x^T cov x, the variance of the x w_j, is their sum along the top directions plus the rest's over x's
+    remainder (exact for a covariance whose other eigenvalues are equal)."""
+    sample = w[:: max(1, w.size(0) // OFFSET_SAMPLE_ROWS)].double()
+    variances, directions = torch.linalg.eigh(torch.cov(sample.t()))  # ascending
+    variances = variances.clamp(min=0)
+    r = min(OFFSET_DIRECTIONS, variances.numel() - 1)
+    rest = variances[:-r].mean()
+    return {"offset_mean": sample.mean(0).float(), "offset_directions": directions[:, -r:].float().contiguous(),
+            "offset_variances": variances[-r:].float(), "offset_rest": rest.float()}
+
+
+def logit_offset(x: torch.Tensor, basis: dict[str, torch.Tensor]) -> torch.Tensor:
+    """x (M, K) float32 -> (M,): the mean of each row's logits + OFFSET_SPREADS standard deviations."""
+    along = x @ basis["offset_directions"]  # (M, r)
+    variance = (along.square() * basis["offset_variances"]).sum(1) \
+        + basis["offset_rest"] * (x.square().sum(1) - along.square().sum(1)).clamp(min=0)
+    return x @ basis["offset_mean"] + OFFSET_SPREADS * variance.sqrt()
+
+
 class FastLinear(nn.Module):
     """y = act(x W^T + b) with W stored in a WeightFormat and one chosen path per regime. Inference only."""
 
     def __init__(self, fmt: WeightFormat, weight: torch.Tensor, bias: torch.Tensor | None,
                  paths: dict[str, str], activation: str | None = None, returns_kernel_dtype: bool = False,
-                 rounds_to: torch.dtype | None = None):
+                 rounds_to: torch.dtype | None = None, centers_logits: bool = False):
         super().__init__()
         self.format, self.activation = fmt, activation
         # returns_kernel_dtype: y stays in the kernel's dtype (bf16; float32 from a u8s8 kernel) instead of
@@ -645,11 +683,20 @@ class FastLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.path_names = dict(paths)  # regime -> path name, for describe()
         self.paths = {regime: fmt.paths[name] for regime, name in paths.items()}
-        self.tensors = fmt.pack(weight.detach().float(), None if bias is None else bias.detach().float())
+        self.dtype = kernel_dtype(fmt.precision)
+        # centers_logits (CENTERED_LOGITS): the weight gains a column of ones, x a column of -offset
+        if centers_logits and activation is not None:
+            raise ValueError("a layer that centers its outputs cannot fuse an activation")
+        self.centers_logits = centers_logits
+        weight = weight.detach().float()
+        if centers_logits:
+            for name, t in logit_offset_basis(weight.to(self.dtype)).items():
+                self.register_buffer(name, t, persistent=False)
+            weight = torch.cat([weight, weight.new_ones(weight.size(0), 1)], dim=1)  # (N, K + 1)
+        self.tensors = fmt.pack(weight, None if bias is None else bias.detach().float())
         for name, t in self.tensors.items():
             if isinstance(t, torch.Tensor):
                 self.register_buffer(name, t, persistent=False)  # moves with the module; never saved
-        self.dtype = kernel_dtype(fmt.precision)
         self.register_buffer("bias", None if bias is None else bias.detach().to(self.dtype), persistent=False)
         self._gather_kernel_args()
 
@@ -671,6 +718,8 @@ class FastLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).contiguous()  # (M, K); kernels need contiguous rows; the path casts
+        if self.centers_logits:
+            return self._centered(x2).view(*x.shape[:-1], self.out_features)
         y = self.paths[regime_of(x2.size(0))](x2, self.kernel_args, self.bias, self.activation)
         if self.rounds_to is not None:
             y = y.to(self.rounds_to)
@@ -678,10 +727,25 @@ class FastLinear(nn.Module):
             y = y.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
+    def _centered(self, x: torch.Tensor) -> torch.Tensor:
+        """Float32 (M, N) logits x W^T + b, each row computed around its offset (CENTERED_LOGITS)."""
+        basis = {name: self._buffers[name] for name in OFFSET_BASIS}
+        offset = logit_offset(x.to(self.dtype).float(), basis)  # (M,), from what the kernel multiplies
+        offset = offset.to(self.dtype).float()  # exact in the kernel's dtype: the value added back is the one taken
+        y = self.paths[regime_of(x.size(0))](torch.cat([x, -offset[:, None]], dim=1), self.kernel_args, self.bias, None)
+        return y.float() + offset[:, None]
+
+    def reference_weight(self) -> torch.Tensor:
+        """The (N, K) weight this layer computes with, float64, read back from its packing."""
+        args = self.kernel_args
+        return self.format.reference_weight(args.get("weight"), args)[:, : self.in_features]
+
     def output_dtypes(self) -> set[torch.dtype]:
         """The dtypes its paths return (before forward casts back), each path run once on one zero row (CPU)."""
         if self.rounds_to is not None:
             return {self.rounds_to}
+        if self.centers_logits:
+            return {torch.float32}
         x = torch.zeros(1, self.in_features)
         return {path(x, self.kernel_args, self.bias, self.activation).dtype for path in set(self.paths.values())}
 
@@ -689,6 +753,8 @@ class FastLinear(nn.Module):
         fused = f", {self.activation} fused" if self.activation else ""
         if self.rounds_to is not None:
             fused += f", rounded to {str(self.rounds_to).removeprefix('torch.')}"
+        if self.centers_logits:
+            fused += ", logits centered"
         return (f"in={self.in_features}, out={self.out_features}, {self.format.precision} {self.format.name}{fused}, "
                 + ", ".join(f"{r}: {p}" for r, p in self.path_names.items()))
 
@@ -764,7 +830,8 @@ def planned_linear(plan, attr: str, weight: torch.Tensor, bias: torch.Tensor | N
     choice = plan.choice_for(weight.size(0), weight.size(1), activation, precision)
     return FastLinear(format_named(precision, choice.format, device_type), weight, bias, choice.paths, activation,
                       returns_kernel_dtype=returns_kernel_dtype,
-                      rounds_to=ROUNDS_KEYS_TO.get(precision) if attr == "c_attn" else None)
+                      rounds_to=ROUNDS_KEYS_TO.get(precision) if attr == "c_attn" else None,
+                      centers_logits=attr == "lm_head" and precision in CENTERED_LOGITS)
 
 
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # load_for_inference's kv_dtype, or "auto"
