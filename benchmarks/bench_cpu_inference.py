@@ -459,8 +459,8 @@ def quality(args, model_dir: Path, gguf_dir: Path) -> None:
     path = gguf_dir / "windows.npy"
     np.save(path, windows)
     print(f"\nquality: {W} windows x {T} tokens of {args.data} val ({W * T:,} predictions)")
-    print("| precision | ours ppl | ours Δ vs fp32 | ours KL vs fp32 | ours top-1 vs fp32 | llama.cpp | llama.cpp ppl | "
-          "llama.cpp Δ vs F32 | llama.cpp KL vs F32 | llama.cpp top-1 vs F32 |")
+    print("| precision | ours ppl | ours Δ vs fp32 | ours KL vs fp32 | ours top-1 vs fp32 | llama.cpp | "
+          "llama.cpp ppl | llama.cpp Δ vs F32 | llama.cpp KL vs F32 | llama.cpp top-1 vs F32 |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     ours = {p: run_worker("quality-ours", args, precision=p, model_dir=model_dir, windows=path) for p in args.precisions}
     f32 = make_gguf(model_dir, "float32", gguf_dir)

@@ -320,7 +320,8 @@ def test_loading_packs_each_layer_as_it_is_read_as_apply_plan_packs_a_loaded_mod
         assert torch.equal(streamed(ids), whole(ids))
 
 
-@pytest.mark.parametrize("fmt", [f for f in formats_for("bfloat16") if f.name in ("onednn", "plain")], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", [f for f in formats_for("bfloat16") if f.name in ("onednn", "plain")],
+                         ids=lambda f: f.name)
 def test_bf16_logits_around_a_large_offset_are_as_exact_as_the_weights_allow(fmt):
     """GPT-2's logits share a large negative offset; a bf16 kernel rounds its output to bf16: by up to
     0.125 at |logit| 32-64. A centered lm_head (quantize.CENTERED_LOGITS) computes each row around an

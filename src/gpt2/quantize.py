@@ -29,8 +29,9 @@ functions (x (M, K), tensors) -> y (M, N). Every path of a format computes with 
               weight dequantized to bf16 once per call, a block of rows at a time, for bf16 GEMMs;
               elsewhere the nibbles are dequantized for a bf16 GEMM
 
-The lm_head is quantized too; an int4 model keeps it at int8 (HEAD_PRECISION). Below float32 the token
-embedding (wte, tied to the lm_head) is a bf16 table (embedding_to_bf16). Activations around the linears
+The lm_head is quantized too; an int4 model keeps it at int8 (HEAD_PRECISION); a bf16 one computes its
+logits around an estimate of each row's largest (CENTERED_LOGITS). Below float32 the token embedding
+(wte, tied to the lm_head) is a bf16 table (embedding_to_bf16). Activations around the linears
 stay float32 at every precision (kernel_dtype); int8's c_attn rounds q, k and v to bf16 (ROUNDS_KEYS_TO),
 as the bf16 and int4 kernels return them.
 The activation of c_fc (GELU) is fused into the GEMM as a oneDNN post-op where the path allows.
