@@ -801,18 +801,13 @@ def embedding_to_bf16(model: nn.Module) -> None:
     The lookup's values are rounded to bf16 once; the sum with wpe and everything after stay float32.
     Measured on the quickstart model (BENCHMARKS.md): the mean KL divergence from float32's predictions
     moved by under 2% at bf16, int8 and int4. Looking tokens up in the int8 lm_head's own rows instead
-    (no bytes of its own) raised int8's by 27%. A bf16 lm_head weight of wte's shape (the plain format)
-    is shared, not copied. A float32 model keeps its table: its lm_head's weight is wte's own tensor.
+    (no bytes of its own) raised int8's by 27%. No lm_head weight can serve as the table: a bf16 one
+    carries the columns of its centered logits (CENTERED_LOGITS). A float32 model keeps its table: its
+    lm_head's weight is wte's own tensor.
     """
     head, wte = model.lm_head, model.transformer.wte
-    if not isinstance(head, FastLinear) or head.format.precision == "float32":
-        return
-    shared = head.tensors.get("weight")
-    if isinstance(shared, torch.Tensor) and shared.dtype == torch.bfloat16 and shared.shape == wte.weight.shape:
-        table = head._buffers["weight"]
-    else:
-        table = wte.weight.detach().to(torch.bfloat16)
-    model.transformer.wte = nn.Embedding.from_pretrained(table, freeze=True)
+    if isinstance(head, FastLinear) and head.format.precision != "float32":
+        model.transformer.wte = nn.Embedding.from_pretrained(wte.weight.detach().to(torch.bfloat16), freeze=True)
 
 
 def place_planned_linear(plan, parent: nn.Module, attr: str, weight: torch.Tensor, bias: torch.Tensor | None,
