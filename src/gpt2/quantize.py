@@ -338,7 +338,9 @@ _PACKED: "weakref.WeakValueDictionary[int, _Packed]" = weakref.WeakValueDictiona
 class WeightFormat:
     name: str
     precision: str
-    pack: Callable[[torch.Tensor, "torch.Tensor | None"], dict]   # (w (N, K) float32, bias) -> tensors
+    # (w (N, K) float32, bias) -> tensors; a bf16 format's pack also takes w already in bf16 (FastLinear's
+    # centered logits pass it so: a float32 copy of a centered lm_head cost 200-370 MB of load peak)
+    pack: Callable[[torch.Tensor, "torch.Tensor | None"], dict]
     # (w float32, tensors, rows) -> the weight it computes with, float64: those output rows (an index
     # tensor), or all of them for None. kernels.py checks a wide layer on its first and last outputs only,
     # and the whole lm_head in float64 would take ~0.3 s per format. w is None when a packed layer is read
@@ -646,11 +648,12 @@ OFFSET_SAMPLE_ROWS = 4096  # rows the mean and directions are estimated from: an
 OFFSET_COLUMNS = 32
 
 
-def logit_offset_basis(w: torch.Tensor) -> dict[str, torch.Tensor]:
-    """w (N, K) -> what logit_offset needs, float32, from every N/4096th row: "offset_basis" (K, 1 + r), the
-    rows' mean and their top r principal directions, and "offset_weights" (1 + r,): the rest's mean variance
-    (the variance along the other directions, taken as equal), then each top direction's variance minus it."""
-    sample = w[:: max(1, w.size(0) // OFFSET_SAMPLE_ROWS)].double()
+def logit_offset_basis(w: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """w (N, K) -> what logit_offset needs, float32, from every N/4096th row rounded to dtype (the kernel's):
+    "offset_basis" (K, 1 + r), the rows' mean and their top r principal directions, and "offset_weights"
+    (1 + r,): the rest's mean variance (the variance along the other directions, taken as equal), then
+    each top direction's variance minus it."""
+    sample = w[:: max(1, w.size(0) // OFFSET_SAMPLE_ROWS)].to(dtype).double()
     variances, directions = torch.linalg.eigh(torch.cov(sample.t()))  # ascending
     variances = variances.clamp(min=0)
     r = min(OFFSET_DIRECTIONS, variances.numel() - 1)
@@ -692,11 +695,12 @@ class FastLinear(nn.Module):
         self.centers_logits = centers_logits
         weight = weight.detach().float()
         if centers_logits:
-            for name, t in logit_offset_basis(weight.to(self.dtype)).items():
+            for name, t in logit_offset_basis(weight, self.dtype).items():
                 self.register_buffer(name, t, persistent=False)
-            columns = weight.new_zeros(weight.size(0), OFFSET_COLUMNS)
-            columns[:, 0] = 1.0  # against x's column of -offset; the rest pad K to a multiple of 32
-            weight = torch.cat([weight, columns], dim=1)  # (N, K + OFFSET_COLUMNS)
+            centered = weight.new_zeros(weight.size(0), self.in_features + OFFSET_COLUMNS, dtype=self.dtype)
+            centered[:, : self.in_features] = weight  # rounded to the kernel's dtype, as its pack would
+            centered[:, self.in_features] = 1.0  # against x's column of -offset; the rest pad K to a multiple of 32
+            weight = centered  # (N, K + OFFSET_COLUMNS)
         self.tensors = fmt.pack(weight, None if bias is None else bias.detach().float())
         for name, t in self.tensors.items():
             if isinstance(t, torch.Tensor):
@@ -735,8 +739,10 @@ class FastLinear(nn.Module):
         """Float32 (M, N) logits x W^T + b, each row computed around its offset (CENTERED_LOGITS)."""
         offset = logit_offset(x.float(), self.offset_basis, self.offset_weights)  # (M,), an estimate
         offset = offset.to(self.dtype).float()  # exact in the kernel's dtype: the value added back is the one taken
-        columns = torch.cat([-offset[:, None], x.new_zeros(x.size(0), OFFSET_COLUMNS - 1)], dim=1)
-        y = self.paths[regime_of(x.size(0))](torch.cat([x, columns], dim=1), self.kernel_args, self.bias, None)
+        centered = x.new_zeros(x.size(0), self.in_features + OFFSET_COLUMNS)  # (M, K + OFFSET_COLUMNS)
+        centered[:, : self.in_features] = x
+        centered[:, self.in_features] = offset.neg()
+        y = self.paths[regime_of(x.size(0))](centered, self.kernel_args, self.bias, None)
         return y.float() + offset[:, None]
 
     def reference_weight(self) -> torch.Tensor:
