@@ -487,6 +487,22 @@ def test_plan_is_measured_once_then_read_from_the_cache(kernel_cache):
         assert key in text and choice.format in text
 
 
+def test_a_plan_measured_under_an_isa_limit_serves_that_limit_only(kernel_cache, monkeypatch):
+    """ONEDNN_MAX_CPU_ISA=AVX2 (or ATEN_CPU_CAPABILITY, ...) makes the libraries another machine: a plan
+    measured without it must not serve a process run with it, nor the other way round."""
+    for name in kernels.ISA_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    plain = kernels.machine_key()
+    assert kernels.plan_for(tiny_model(), "float32").source == "measured"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert kernels.machine_key() == {**plain, "isa limits": {"ONEDNN_MAX_CPU_ISA": "AVX2"}}
+    assert kernels.plan_for(tiny_model(), "float32").source == "measured"
+    assert kernels.plan_for(tiny_model(), "float32").source == "cache"
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    assert kernels.machine_key() == plain  # a plain run's key is unchanged: its entries stay valid
+    assert kernels.plan_for(tiny_model(), "float32").source == "cache"
+
+
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 999, "entries": {}}),
                                      json.dumps({"version": kernels.CACHE_VERSION, "entries": {"k": {"x": 1}}}),
                                      json.dumps([1, 2])])
@@ -953,22 +969,26 @@ def compiled_and_eager_logits(model, ids: torch.Tensor, prompt_length: int) -> t
 
 
 @pytest.mark.slow
-def test_compiled_decode_of_a_second_model_of_the_same_shapes_uses_its_own_weights(tmp_path, monkeypatch):
+def test_compiled_decode_of_a_second_model_or_machine_uses_its_own_graph(tmp_path, monkeypatch):
     """Inductor's on-disk graph cache keyed a frozen graph by its shapes and kept the int4 constants it
-    derived from the first model by value: the second model decoded with the first one's weights
-    (engine.weights_fingerprint_pass). A fresh cache directory, so the first compile writes the entry."""
+    derived from the first model by value: the second model decoded with the first one's weights. Nor
+    does it key on the CPU: a graph compiled on one CPU (or under an ISA limit) would be served to
+    another (engine.cache_key_pass). A fresh cache directory, so the first compile writes the entry."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     from torch._dynamo.utils import counters
     ids = torch.tensor([PROMPTS[0] + PROMPTS[2]])  # (1, 11)
+    this_machine = kernels.machine_key()
     hits = []
-    for seed in (1, 2, 1):  # the third: model 1's weights again, in a model of its own, reuse the entry
+    for seed, machine in [(1, this_machine), (2, this_machine), (1, this_machine), (1, {"cpu": "another CPU"})]:
+        # the third: model 1's weights again, in a model of its own, reuse the entry; the fourth: elsewhere
         model = apply_plan(tiny_model(seed), kernels.plan_for(tiny_model(), "int4"))
+        monkeypatch.setattr(kernels, "machine_key", lambda: machine)
         before = counters["inductor"]["fxgraph_cache_hit"]
         compiled, eager = compiled_and_eager_logits(model, ids, prompt_length=4)
         hits.append(counters["inductor"]["fxgraph_cache_hit"] - before)
         difference = ((compiled - eager).abs().max() / eager.abs().max()).item()
         assert difference <= 2 * kernels.TOLERANCE["int4"], f"model {seed}: {difference:.1e}"
-    assert hits == [0, 0, 1]
+    assert hits == [0, 0, 1, 0]
 
 
 @pytest.mark.slow

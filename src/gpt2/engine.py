@@ -306,19 +306,25 @@ def _inductor_config():
     return torch._inductor.config
 
 
-def weights_fingerprint_pass(model):
-    """A graph pass that does nothing, so that Inductor's on-disk graph cache tells models apart.
+def cache_key_pass(model):
+    """A graph pass that does nothing, so that Inductor's on-disk graph cache tells models and machines apart.
 
     With freezing, the FX graph cache keys a graph by its code and its weights' shapes, and a cache
     entry keeps the constants Inductor derived from the weights while compiling (the C++ GEMM
     template's packed weights among them) by value. A second model of the same shapes
     then hit that entry and decoded with the first model's weights (pytorch/pytorch#143808 stores
-    derived constants this way). Inductor adds a custom pass's uuid() to the key: this one's is a
-    hash of every weight the model holds (weights_digest), so a cached graph serves the same weights only.
+    derived constants this way). Nor does the key name the CPU (only a GPU's name): a graph compiled
+    for AMX, or under ATEN_CPU_CAPABILITY=avx2, would be served to another CPU or ISA limit (one such
+    int8 graph aborted a normal process). Inductor adds a custom pass's uuid() to the key: this one's
+    is a hash of every weight the model holds (weights_digest) and of kernels.machine_key() (the CPU
+    model and flags, torch, the threads, the ISA limits set), so a cached graph serves the same
+    weights on the same machine only.
     """
     from torch._inductor.custom_graph_pass import CustomGraphPass  # ~1 s to import: compiling pays it
 
-    class WeightsFingerprint(CustomGraphPass):
+    from gpt2.kernels import machine_key
+
+    class CacheKey(CustomGraphPass):
         def __init__(self, digest: str):
             self.digest = digest
 
@@ -328,7 +334,8 @@ def weights_fingerprint_pass(model):
         def uuid(self) -> str:
             return self.digest
 
-    return WeightsFingerprint(weights_digest(model))
+    machine = json.dumps(machine_key(), sort_keys=True)
+    return CacheKey(hashlib.sha256(f"{weights_digest(model)}|{machine}".encode()).hexdigest())
 
 
 _weights_digests: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> weights_digest
@@ -397,7 +404,7 @@ def checked_compiled_step(model, args) -> torch.Tensor:
     for layer_cache in list(cache.k) + list(cache.v):  # (B, nh, capacity, hs) each
         torch._dynamo.mark_dynamic(layer_cache, 2)
     options = compile_options(keys.device.type)
-    options["post_grad_custom_post_pass"] = weights_fingerprint_pass(model)  # the cache key names the weights
+    options["post_grad_custom_post_pass"] = cache_key_pass(model)  # the cache key names weights and machine
     with _inductor_config().patch(options):
         return compiled_decode_step(model)(*args)
 

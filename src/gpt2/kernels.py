@@ -48,7 +48,8 @@ paths that copies alone had chosen.
 The KV cache's dtype is chosen here too (kv_cache_dtype, for load_for_inference's kv_dtype="auto"): bf16
 where the keys are bf16 numbers already and one-query attention over a bf16 cache measures no slower.
 
-Results are cached per CPU model and features, torch version, thread count and candidate list, in
+Results are cached per CPU model and features, torch version, thread count, the ISA limits set in the
+environment (ISA_VARIABLES: ONEDNN_MAX_CPU_ISA=AVX2 is another machine) and candidate list, in
 $XDG_CACHE_HOME/gpt2/kernels.json (default ~/.cache), written atomically. A corrupt or foreign file
 is ignored with one warning and measured again.
 """
@@ -58,6 +59,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -96,6 +98,11 @@ WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.5}  # per weig
 REPEATS = 5
 LONG_SAMPLE_S = 0.1  # a call this long is timed once (_time_in_turn)
 FEATURE_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile")
+# Variables that narrow what the libraries run on this CPU (ATen's and Inductor's vector ISA, oneDNN's, MKL's)
+# or change their arithmetic (oneDNN's implicit bf16 for float32): a plan or graph made under them is another
+# machine's (measured and compiled apart: machine_key).
+ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ONEDNN_DEFAULT_FPMATH_MODE",
+                 "DNNL_DEFAULT_FPMATH_MODE", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,8 +180,12 @@ def memory_bandwidth_gbs(megabytes: int = 512) -> float:
 
 
 def machine_key() -> dict:
-    return {"cpu": cpu_model(), "features": cpu_features(), "torch": torch.__version__,
-            "threads": torch.get_num_threads()}
+    """What a measurement or a compiled graph holds for: the CPU, torch, the threads, and the ISA_VARIABLES
+    set (named only when set, so that a plain run's key is as it was)."""
+    key = {"cpu": cpu_model(), "features": cpu_features(), "torch": torch.__version__,
+           "threads": torch.get_num_threads()}
+    limits = {name: os.environ[name] for name in ISA_VARIABLES if name in os.environ}
+    return {**key, "isa limits": limits} if limits else key
 
 
 def _timed(fn) -> float:
