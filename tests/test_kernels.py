@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from gpt2 import GPT, GPTConfig
 from gpt2.engine import generate, generate_naive
-from gpt2.quantize import (CPU_FORMATS, INT4_GROUP, PRECISIONS, FastLinear, apply_plan, format_named, formats_for,
+from gpt2.quantize import (CPU_FORMATS, INT4_GROUP, PRECISIONS, FastLinear, add_compile_weights, apply_plan,
+                           format_named, formats_for, linear_layers,
                            quantize_int4_groups, quantize_per_channel)
 from gpt2 import kernels
 
@@ -349,6 +350,30 @@ def test_bf16_logits_around_a_large_offset_are_as_exact_as_the_weights_allow(fmt
             if path != "fp32 GEMM":  # a bf16 kernel rounds its output to bf16: what centering fixes
                 assert plain_error[top].max() > 0.06, (rows, path)
     assert torch.equal(centered.reference_weight(), w.to(torch.bfloat16).double())
+
+
+@pytest.mark.skipif(not format_named("float32", "mkl").available(), reason="needs MKL's packed GEMM")
+def test_mkls_format_holds_each_weight_once_and_gives_it_back_exactly_for_compiling():
+    """MKL's packed float32 weight is the only copy a layer keeps (a plain one beside it held a float32
+    model's weights twice): it computes at every row count without one, reads back bit for bit, and
+    add_compile_weights gives each layer its plain weight back for Inductor, the tied lm_head wte's table."""
+    fmt = format_named("float32", "mkl")
+    model = apply_plan(tiny_model(), forced_plan(fmt, "mkl"))
+    ref = tiny_model()
+    layers = [(getattr(p, a), getattr(r, a)) for (p, a, _, _), (r, _, _, _)
+              in zip(linear_layers(model), linear_layers(ref))]
+    for layer, plain in layers:
+        assert set(layer.tensors) == {"mkl", "shape"}  # no plain (N, K) float32 weight
+        assert torch.equal(layer.reference_weight(), plain.weight.double())
+        for rows in (1, 3, 8, 64, 130):
+            x = torch.randn(rows, layer.in_features)
+            with torch.inference_mode():
+                y = plain(x) if layer.activation is None else F.gelu(plain(x), approximate="tanh")  # c_fc's fused
+                assert ((layer(x) - y).abs().max() / y.abs().max()).item() <= kernels.TOLERANCE["float32"]
+    add_compile_weights(model)
+    for layer, plain in layers:
+        assert torch.equal(layer.tensors["weight"], plain.weight)
+    assert model.lm_head.tensors["weight"].data_ptr() == model.transformer.wte.weight.data_ptr()  # shared
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

@@ -296,6 +296,8 @@ def compiled_decode_step(model):
     """
     step = _compiled_decode_steps.get(model)
     if step is None:
+        from gpt2.quantize import add_compile_weights
+        add_compile_weights(model)  # plain weights some packings do not keep (MKL's), for Inductor to pack
         own = types.FunctionType(decode_step.__code__.replace(), decode_step.__globals__, decode_step.__name__)
         step = _compiled_decode_steps[model] = torch.compile(own, dynamic=False, fullgraph=True)
     return step

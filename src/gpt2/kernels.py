@@ -630,10 +630,9 @@ def _copies(fmt, w, bias, tensors, round_weights: int | None = None) -> list[dic
     process gets, the first size that effective_cache_bytes found read at memory speed (decode reads
     memory): each copy is read again only after the others have pushed it out, as a model's weights are.
     A weight's size is its precision's width (WEIGHT_BYTES), what a decode call reads: the
-    tensors' own sizes mislead. MKL's format keeps the plain weight beside the packed one and reads only
-    the packed one, whose tensor claims 2.6x the weight's bytes: 8 copies then spanned under the cache,
-    and MKL timed 154 us for 2304x768 float32 (47 GB/s, on a Xeon whose memory reads 20-28), 300 us
-    past it, and the same in a model's decode as a plain F.linear."""
+    tensors' own sizes mislead. MKL's packed tensor claims 2.6x the weight's bytes: counted so, 8 copies
+    spanned under the cache, and MKL timed 154 us for 2304x768 float32 (47 GB/s, on a Xeon whose memory
+    reads 20-28), 300 us past it, and the same in a model's decode as a plain F.linear."""
     nbytes = (round_weights or w.numel()) * WEIGHT_BYTES[fmt.precision]
     n = max(1, min(64, math.ceil(2 * effective_cache_bytes() / max(nbytes, 1))))
     # Each copy owns its storage: a format that keeps the weight as it is (float32 plain) would otherwise

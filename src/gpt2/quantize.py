@@ -136,9 +136,19 @@ def _onednn(x, t, bias, activation):
 
 
 def _mkl(x, t, bias, activation):
-    if torch.compiler.is_compiling():  # Inductor lowers _mkl_linear only for weights it packed itself
-        return _act(F.linear(x, t["weight"], bias), activation)
-    return _act(torch.ops.mkl._mkl_linear(x, t["mkl"], t["weight"], bias, x.size(0)), activation)
+    if torch.compiler.is_compiling():  # Inductor lowers _mkl_linear only for weights it packed itself:
+        return _act(F.linear(x, t["weight"], bias), activation)  # the plain weight, for compiling only
+    return _act(_mkl_linear(x, t["mkl"], t["shape"], bias), activation)
+
+
+def _mkl_linear(x: torch.Tensor, packed: torch.Tensor, shape, bias: torch.Tensor | None) -> torch.Tensor:
+    """MKL's GEMM on its packed weight of shape (N, K), at any row count. _mkl_linear falls back to a plain
+    weight when x's rows differ from the batch size it is told; told x's own, it never does, so the format
+    keeps no plain copy (a float32 model would hold every such weight twice) and hands it the shape only:
+    a tensor of that shape with no storage."""
+    return torch.ops.mkl._mkl_linear(x, packed, x.new_empty(()).expand(*shape), bias, x.size(0))
+
+
 
 
 def _int8pack(x, t, bias, activation):
@@ -364,6 +374,9 @@ class WeightFormat:
     # the same tensors). It is not measured itself: kernels.py reads its timings off its parts' and
     # keeps it only where it gains enough to pay for its memory.
     parts: dict[str, dict[str, str]] = field(default_factory=dict)
+    # tensors -> the float32 (N, K) weight its compiled path reads, for a format that does not keep it (MKL's:
+    # Inductor lowers _mkl_linear only for weights it packed itself); add_compile_weights, before compiling
+    compile_weight: Callable[[dict], torch.Tensor] | None = None
 
 
 def _has(namespace, op: str) -> Callable[[], bool]:
@@ -381,6 +394,16 @@ def _rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
 
 def _plain_reference(w, t, rows=None):
     return _rows(w, rows).double()
+
+
+def _mkl_weight(t) -> torch.Tensor:
+    """The float32 (N, K) weight MKL's packed copy holds, read back as its GEMM of the identity: I W^T, exact
+    (each output is one product by 1). (K, K, N) FLOPs: 0.2 s for GPT-2's lm_head here."""
+    return _mkl_linear(torch.eye(t["shape"][1]), t["mkl"], t["shape"], None).t().contiguous()
+
+
+def _mkl_reference(w, t, rows=None):
+    return _plain_reference(_mkl_weight(t) if w is None else w, t, rows)  # w None: a packed layer read back
 
 
 def _int8_reference(w, t, rows=None):
@@ -514,8 +537,8 @@ CPU_FORMATS: list[WeightFormat] = [
     WeightFormat("onednn b8", "float32", lambda w, b: {"onednn": torch.ops.mkldnn._reorder_linear_weight(w, 8)},
                  _onednn_reference, {"onednn": _onednn}, available=lambda: onednn_runs(torch.float32)),
     WeightFormat("mkl", "float32",
-                 lambda w, b: {"weight": w.contiguous(), "mkl": torch.ops.mkl._mkl_reorder_linear_weight(w, 1)},
-                 _plain_reference, {"mkl": _mkl},
+                 lambda w, b: {"mkl": torch.ops.mkl._mkl_reorder_linear_weight(w, 1), "shape": _Packed(tuple(w.shape))},
+                 _mkl_reference, {"mkl": _mkl}, compile_weight=_mkl_weight,
                  available=lambda: _has("mkl", "_mkl_linear")() and torch.backends.mkl.is_available()),
     WeightFormat("plain", "bfloat16", lambda w, b: {"weight": w.to(torch.bfloat16)},
                  lambda w, t, rows=None: _rows(t["weight"], rows).double(), {"F.linear": _plain, "fp32 GEMM": _upcast}),
@@ -745,6 +768,15 @@ class FastLinear(nn.Module):
         y = self.paths[regime_of(x.size(0))](centered, self.kernel_args, self.bias, None)
         return y.float() + offset[:, None]
 
+    def keep_plain_weight(self, weight: torch.Tensor | None = None) -> None:
+        """Keep the float32 (N, K) weight, read back from the packing unless given, for a compiled path that
+        reads it (WeightFormat.compile_weight). Eager paths never read it."""
+        if "weight" not in self.tensors:
+            weight = self.format.compile_weight(self.kernel_args) if weight is None else weight.detach()
+            self.tensors["weight"] = weight
+            self.register_buffer("weight", weight, persistent=False)
+            self._gather_kernel_args()
+
     def reference_weight(self) -> torch.Tensor:
         """The (N, K) weight this layer computes with, float64, read back from its packing."""
         args = self.kernel_args
@@ -800,6 +832,20 @@ def apply_plan(model: nn.Module, plan) -> nn.Module:
 
 
 @torch.no_grad()
+def add_compile_weights(model: nn.Module) -> None:
+    """Before a decode step compiles: each layer whose format's compiled path reads a plain weight the format
+    does not keep (WeightFormat.compile_weight) gets it back, a float32 model's tied lm_head wte's own
+    table. Eager, a float32 model holds each such weight once (MKL's packing); compiled, twice, as
+    Inductor packs its own from the plain one."""
+    table = model.transformer.wte.weight
+    for _, attr, layer, _ in linear_layers(model):
+        if isinstance(layer, FastLinear) and layer.format.compile_weight is not None:
+            tied = attr == "lm_head" and table.dtype == torch.float32 and table.shape == (layer.out_features,
+                                                                                           layer.in_features)
+            layer.keep_plain_weight(table if tied else None)
+    return_freed_memory()
+
+
 def embedding_to_bf16(model: nn.Module) -> None:
     """In place: if the lm_head is packed below float32, wte becomes a bf16 table: half the bytes of the
     float32 one (77 MB less for GPT-2 124M, 161 MB for gpt2-xl), as llama.cpp's BF16 files keep token_embd.
