@@ -23,7 +23,7 @@ from gpt2.engine import generate, generate_naive
 from gpt2.quantize import (CPU_FORMATS, INT4_GROUP, PRECISIONS, FastLinear, add_compile_weights, apply_plan,
                            format_named, formats_for, linear_layers,
                            quantize_int4_groups, quantize_per_channel)
-from gpt2 import kernels
+from gpt2 import kernels, quantize
 
 
 MEASURE_EFFECTIVE_CACHE = kernels.effective_cache_bytes
@@ -374,6 +374,22 @@ def test_mkls_format_holds_each_weight_once_and_gives_it_back_exactly_for_compil
     for layer, plain in layers:
         assert torch.equal(layer.tensors["weight"], plain.weight)
     assert model.lm_head.tensors["weight"].data_ptr() == model.transformer.wte.weight.data_ptr()  # shared
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not format_named("float32", "mkl").available(), reason="needs MKL's packed GEMM")
+def test_where_memory_is_short_mkls_layers_compile_as_its_own_gemm(monkeypatch, caplog):
+    """Where Inductor's own float32 weights would not fit (add_compile_weights), MKL's layers get no plain
+    weight back and compile as MKL's GEMM: the compiled step equals eager and decodes the same tokens."""
+    monkeypatch.setattr(quantize, "available_memory_bytes", lambda: 1.0)
+    model = apply_plan(tiny_model(), forced_plan(format_named("float32", "mkl"), "mkl"))
+    ids = torch.tensor([PROMPTS[0] + PROMPTS[2]])  # (1, 11)
+    with caplog.at_level(logging.WARNING, logger="gpt2.quantize"):
+        compiled, eager = compiled_and_eager_logits(model, ids, prompt_length=4)
+    assert any("compile as MKL's GEMM" in r.getMessage() for r in caplog.records)
+    assert all("weight" not in layer.tensors for _, _, layer, _ in linear_layers(model))
+    assert ((compiled - eager).abs().max() / eager.abs().max()).item() <= kernels.TOLERANCE["float32"]
+    assert generate(model, PROMPTS, max_new_tokens=12, compile=True) == generate(model, PROMPTS, max_new_tokens=12)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

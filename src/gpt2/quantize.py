@@ -137,7 +137,9 @@ def _onednn(x, t, bias, activation):
 
 def _mkl(x, t, bias, activation):
     if torch.compiler.is_compiling():  # Inductor lowers _mkl_linear only for weights it packed itself:
-        return _act(F.linear(x, t["weight"], bias), activation)  # the plain weight, for compiling only
+        if "weight" in t:  # the plain weight, given back for compiling (add_compile_weights)
+            return _act(F.linear(x, t["weight"], bias), activation)
+        return _act(mkl_linear_op(x, t["mkl"], list(t["shape"]), bias), activation)  # where it would not fit
     return _act(_mkl_linear(x, t["mkl"], t["shape"], bias), activation)
 
 
@@ -394,6 +396,17 @@ def _rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
 
 def _plain_reference(w, t, rows=None):
     return _rows(w, rows).double()
+
+
+@torch.library.custom_op("gpt2::mkl_linear", mutates_args=())
+def mkl_linear_op(x: torch.Tensor, packed: torch.Tensor, shape: list[int], bias: torch.Tensor | None) -> torch.Tensor:
+    """_mkl_linear as one op of a compiled graph, its packed weight a constant there."""
+    return _mkl_linear(x, packed, shape, bias)
+
+
+@mkl_linear_op.register_fake
+def _(x, packed, shape, bias):
+    return x.new_empty(x.size(0), shape[0])
 
 
 def _mkl_weight(t) -> torch.Tensor:
@@ -831,21 +844,49 @@ def apply_plan(model: nn.Module, plan) -> nn.Module:
     return model.eval()
 
 
+# Compiling a float32 decode step (freezing, Inductor packing every weight its own way, autotuning) took
+# about 3.5x the float32 linear weights' bytes beside the loaded model: 1.8 GB for GPT-2 124M's 0.5 GB,
+# and gpt2-xl was killed at 24 GB (BENCHMARKS.md).
+COMPILE_BYTES_PER_FLOAT32_BYTE = 3.5
+
+
+def available_memory_bytes() -> float:
+    """MemAvailable from /proc/meminfo; infinite where it cannot be read."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return float("inf")
+
+
 @torch.no_grad()
 def add_compile_weights(model: nn.Module) -> None:
     """Before a decode step compiles: each layer whose format's compiled path reads a plain weight the format
     does not keep (WeightFormat.compile_weight) gets it back, a float32 model's tied lm_head wte's own
     table. Eager, a float32 model holds each such weight once (MKL's packing); compiled, twice, as
-    Inductor packs its own from the plain one."""
+    Inductor packs its own from the plain one. Where compiling with them would not fit in the memory
+    available (COMPILE_BYTES_PER_FLOAT32_BYTE), they are left out: those layers compile as MKL's own
+    GEMM (mkl_linear_op), nothing for Inductor to pack, ~10% slower at 1 row and ~20% at 8 (GPT-2 124M)."""
+    layers = [(attr, layer) for _, attr, layer, _ in linear_layers(model)
+              if isinstance(layer, FastLinear) and layer.format.compile_weight is not None]
+    float32_bytes = sum(4 * layer.out_features * layer.in_features for _, _, layer, _ in linear_layers(model)
+                        if isinstance(layer, FastLinear) and layer.format.precision == "float32")
+    needed, available = COMPILE_BYTES_PER_FLOAT32_BYTE * float32_bytes, available_memory_bytes()
+    if layers and needed > available:
+        log.warning("compiling with Inductor's own float32 weights needs ~%.1f GB, %.1f GB available: %d layers "
+                    "compile as MKL's GEMM instead", needed / 1e9, available / 1e9, len(layers))
+        return
     table = model.transformer.wte.weight
-    for _, attr, layer, _ in linear_layers(model):
-        if isinstance(layer, FastLinear) and layer.format.compile_weight is not None:
-            tied = attr == "lm_head" and table.dtype == torch.float32 and table.shape == (layer.out_features,
-                                                                                           layer.in_features)
-            layer.keep_plain_weight(table if tied else None)
+    for attr, layer in layers:
+        tied = attr == "lm_head" and table.dtype == torch.float32 and table.shape == (layer.out_features,
+                                                                                       layer.in_features)
+        layer.keep_plain_weight(table if tied else None)
     return_freed_memory()
 
 
+@torch.no_grad()
 def embedding_to_bf16(model: nn.Module) -> None:
     """In place: if the lm_head is packed below float32, wte becomes a bf16 table: half the bytes of the
     float32 one (77 MB less for GPT-2 124M, 161 MB for gpt2-xl), as llama.cpp's BF16 files keep token_embd.
