@@ -151,8 +151,6 @@ def _mkl_linear(x: torch.Tensor, packed: torch.Tensor, shape, bias: torch.Tensor
     return torch.ops.mkl._mkl_linear(x, packed, x.new_empty(()).expand(*shape), bias, x.size(0))
 
 
-
-
 def _int8pack(x, t, bias, activation):
     y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), t["q"], t["scales_bf16"])  # (M, N) bf16
     return _act(y if bias is None else y.add_(bias), activation)
@@ -853,9 +851,10 @@ COMPILE_BYTES_PER_FLOAT32_BYTE = 3.5
 def available_memory_bytes() -> float:
     """MemAvailable from /proc/meminfo; infinite where it cannot be read."""
     try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
     return float("inf")
