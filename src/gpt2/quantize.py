@@ -139,16 +139,20 @@ def _mkl(x, t, bias, activation):
     if torch.compiler.is_compiling():  # Inductor lowers _mkl_linear only for weights it packed itself:
         if "weight" in t:  # the plain weight, given back for compiling (add_compile_weights)
             return _act(F.linear(x, t["weight"], bias), activation)
-        return _act(mkl_linear_op(x, t["mkl"], list(t["shape"]), bias), activation)  # where it would not fit
+        return _act(mkl_linear_op(x, t["mkl"], list(t["shape"].shape), bias), activation)  # where it would not fit
     return _act(_mkl_linear(x, t["mkl"], t["shape"], bias), activation)
 
 
-def _mkl_linear(x: torch.Tensor, packed: torch.Tensor, shape, bias: torch.Tensor | None) -> torch.Tensor:
-    """MKL's GEMM on its packed weight of shape (N, K), at any row count. _mkl_linear falls back to a plain
-    weight when x's rows differ from the batch size it is told; told x's own, it never does, so the format
-    keeps no plain copy (a float32 model would hold every such weight twice) and hands it the shape only:
-    a tensor of that shape with no storage."""
-    return torch.ops.mkl._mkl_linear(x, packed, x.new_empty(()).expand(*shape), bias, x.size(0))
+def _mkl_linear(x: torch.Tensor, packed: torch.Tensor, shape: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """MKL's GEMM on its packed weight, at any row count. _mkl_linear falls back to a plain weight when x's
+    rows differ from the batch size it is told; told x's own, it never does, so the format keeps no plain
+    copy (a float32 model would hold every such weight twice) and hands it the weight's shape only: shape
+    is an (N, K) tensor with no storage (_shape_only), made once when the weight is packed."""
+    return torch.ops.mkl._mkl_linear(x, packed, shape, bias, x.size(0))
+
+
+def _shape_only(out_features: int, in_features: int) -> torch.Tensor:
+    return torch.empty(()).expand(out_features, in_features)  # one element's storage, whatever the shape
 
 
 def _int8pack(x, t, bias, activation):
@@ -399,7 +403,7 @@ def _plain_reference(w, t, rows=None):
 @torch.library.custom_op("gpt2::mkl_linear", mutates_args=())
 def mkl_linear_op(x: torch.Tensor, packed: torch.Tensor, shape: list[int], bias: torch.Tensor | None) -> torch.Tensor:
     """_mkl_linear as one op of a compiled graph, its packed weight a constant there."""
-    return _mkl_linear(x, packed, shape, bias)
+    return _mkl_linear(x, packed, _shape_only(*shape), bias)
 
 
 @mkl_linear_op.register_fake
@@ -410,7 +414,7 @@ def _(x, packed, shape, bias):
 def _mkl_weight(t) -> torch.Tensor:
     """The float32 (N, K) weight MKL's packed copy holds, read back as its GEMM of the identity: I W^T, exact
     (each output is one product by 1). (K, K, N) FLOPs: 0.2 s for GPT-2's lm_head here."""
-    return _mkl_linear(torch.eye(t["shape"][1]), t["mkl"], t["shape"], None).t().contiguous()
+    return _mkl_linear(torch.eye(t["shape"].size(1)), t["mkl"], t["shape"], None).t().contiguous()
 
 
 def _mkl_reference(w, t, rows=None):
@@ -548,7 +552,8 @@ CPU_FORMATS: list[WeightFormat] = [
     WeightFormat("onednn b8", "float32", lambda w, b: {"onednn": torch.ops.mkldnn._reorder_linear_weight(w, 8)},
                  _onednn_reference, {"onednn": _onednn}, available=lambda: onednn_runs(torch.float32)),
     WeightFormat("mkl", "float32",
-                 lambda w, b: {"mkl": torch.ops.mkl._mkl_reorder_linear_weight(w, 1), "shape": _Packed(tuple(w.shape))},
+                 lambda w, b: {"mkl": torch.ops.mkl._mkl_reorder_linear_weight(w, 1),
+                               "shape": _Packed(_shape_only(*w.shape))},
                  _mkl_reference, {"mkl": _mkl}, compile_weight=_mkl_weight,
                  available=lambda: _has("mkl", "_mkl_linear")() and torch.backends.mkl.is_available()),
     WeightFormat("plain", "bfloat16", lambda w, b: {"weight": w.to(torch.bfloat16)},
@@ -868,12 +873,14 @@ def add_compile_weights(model: nn.Module) -> None:
     Inductor packs its own from the plain one. Where compiling with them would not fit in the memory
     available (COMPILE_BYTES_PER_FLOAT32_BYTE), they are left out: those layers compile as MKL's own
     GEMM (mkl_linear_op), nothing for Inductor to pack, ~10% slower at 1 row and ~20% at 8 (GPT-2 124M)."""
-    layers = [(attr, layer) for _, attr, layer, _ in linear_layers(model)
-              if isinstance(layer, FastLinear) and layer.format.compile_weight is not None]
-    float32_bytes = sum(4 * layer.out_features * layer.in_features for _, _, layer, _ in linear_layers(model)
-                        if isinstance(layer, FastLinear) and layer.format.precision == "float32")
+    packed = [(attr, layer) for _, attr, layer, _ in linear_layers(model) if isinstance(layer, FastLinear)]
+    layers = [(attr, layer) for attr, layer in packed if layer.format.compile_weight is not None]
+    if not layers:
+        return
+    float32_bytes = sum(4 * layer.out_features * layer.in_features for _, layer in packed
+                        if layer.format.precision == "float32")
     needed, available = COMPILE_BYTES_PER_FLOAT32_BYTE * float32_bytes, available_memory_bytes()
-    if layers and needed > available:
+    if needed > available:
         log.warning("compiling with Inductor's own float32 weights needs ~%.1f GB, %.1f GB available: %d layers "
                     "compile as MKL's GEMM instead", needed / 1e9, available / 1e9, len(layers))
         return
@@ -894,8 +901,9 @@ def embedding_to_bf16(model: nn.Module) -> None:
     Measured on the quickstart model (BENCHMARKS.md): the mean KL divergence from float32's predictions
     moved by under 2% at bf16, int8 and int4. Looking tokens up in the int8 lm_head's own rows instead
     (no bytes of its own) raised int8's by 27%. No lm_head weight can serve as the table: a bf16 one
-    carries the columns of its centered logits (CENTERED_LOGITS). A float32 model keeps its table: its
-    lm_head's weight is wte's own tensor.
+    carries the columns of its centered logits (CENTERED_LOGITS). A float32 model keeps its float32
+    table (its lm_head in MKL's format keeps only MKL's packed copy beside it; add_compile_weights hands it
+    the table itself when a step compiles).
     """
     head, wte = model.lm_head, model.transformer.wte
     if isinstance(head, FastLinear) and head.format.precision != "float32":
