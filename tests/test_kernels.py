@@ -295,9 +295,14 @@ def test_float32_plan_matches_the_plain_model():
 
 
 def packed_state(model) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer, oneDNN's packed tensors read back to plain ones."""
+    """Every parameter and buffer, oneDNN's packed tensors read back to plain ones, and MKL's as the weight
+    it holds: read back whole, its packing's padding is bytes left unset, which differ from pack to pack."""
     tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
-    return {name: t.to_dense() if t.is_mkldnn else t for name, t in tensors.items() if t is not None}
+    state = {name: t.to_dense() if t.is_mkldnn else t for name, t in tensors.items() if t is not None}
+    for name, module in model.named_modules():
+        if isinstance(module, FastLinear) and "mkl" in module.tensors:
+            state[f"{name}.mkl"] = module.reference_weight()
+    return state
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
