@@ -25,12 +25,14 @@ TINY = dict(n_layer=2, n_head=2, n_embd=16, vocab_size=97, n_positions=64)
 
 @pytest.fixture(scope="session", autouse=True)
 def session_measurement_cache(tmp_path_factory):
-    """Kernel plans and the other measurements (speculation.json, training.json, ...) of in-process tests
-    go to the session's own cache, never the user's. Tests that check the cache itself patch it again."""
-    from gpt2 import kernels
+    """Kernel plans, the other measurements (speculation.json, training.json, ...) and the packaged decode
+    steps of in-process tests go to the session's own cache, never the user's. Tests that check the
+    cache itself patch it again."""
+    from gpt2 import engine, kernels
     path = tmp_path_factory.mktemp("gpt2-cache") / "kernels.json"
     patch = pytest.MonkeyPatch()
     patch.setattr(kernels, "default_cache_path", lambda: path)
+    patch.setattr(engine, "package_directory", lambda: path.parent / "compiled")  # packaged decode steps
     yield path
     patch.undo()
 

@@ -23,7 +23,8 @@ from gpt2.engine import generate, generate_naive
 from gpt2.quantize import (CPU_FORMATS, INT4_GROUP, PRECISIONS, FastLinear, add_compile_weights, apply_plan,
                            format_named, formats_for, linear_layers,
                            quantize_int4_groups, quantize_per_channel)
-from gpt2 import kernels, quantize
+from gpt2 import engine, kernels, quantize
+from gpt2.kv_cache import KVCache
 
 
 MEASURE_EFFECTIVE_CACHE = kernels.effective_cache_bytes
@@ -1021,6 +1022,7 @@ def test_compiled_decode_of_a_second_model_or_machine_uses_its_own_graph(tmp_pat
     does it key on the CPU: a graph compiled on one CPU (or under an ISA limit) would be served to
     another (engine.cache_key_pass). A fresh cache directory, so the first compile writes the entry."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(engine, "PACKAGE_DECODE_STEPS", False)  # Inductor's graph cache: torch.compile's
     from torch._dynamo.utils import counters
     ids = torch.tensor([PROMPTS[0] + PROMPTS[2]])  # (1, 11)
     this_machine = kernels.machine_key()
@@ -1038,7 +1040,69 @@ def test_compiled_decode_of_a_second_model_or_machine_uses_its_own_graph(tmp_pat
 
 
 @pytest.mark.slow
-def test_compiled_decode_of_every_format_equals_eager():
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_a_packaged_decode_step_decodes_as_eager_and_a_later_model_loads_it(precision, monkeypatch):
+    """A model load_for_inference would prepare compiles its decode step into a package file
+    (engine.PackagedDecodeStep): its logits are the eager step's within the precision's tolerance and it
+    decodes the same tokens, left-padded prompts included. A second model with the same weights (a
+    later process) loads the file and compiles nothing; other weights get another file."""
+    plan = kernels.plan_for(tiny_model(), precision)
+    model = apply_plan(tiny_model(), plan)
+    ids = torch.tensor([PROMPTS[0] + PROMPTS[2]])  # (1, 11)
+    compiled, eager = compiled_and_eager_logits(model, ids, prompt_length=4)
+    assert isinstance(engine._compiled_decode_steps[model], engine.PackagedDecodeStep)
+    assert ((compiled - eager).abs().max() / eager.abs().max()).item() <= 2 * kernels.TOLERANCE[precision]
+    expected = generate(model, PROMPTS, max_new_tokens=12)
+    assert generate(model, PROMPTS, max_new_tokens=12, compile=True) == expected
+    packages = set(engine.package_directory().glob("decode-*.pt2"))
+    assert packages  # one per batch size: 1 row above, 3 here
+
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("compiled again")
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiling)
+    again = apply_plan(tiny_model(), plan)
+    assert generate(again, PROMPTS, max_new_tokens=12, compile=True) == expected
+    assert set(engine.package_directory().glob("decode-*.pt2")) == packages
+    other = apply_plan(tiny_model(seed=2), plan)
+    add_compile_weights(other)
+    with torch.inference_mode():
+        inputs = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), torch.tensor([2]),
+                  torch.ones(1, 3, dtype=torch.bool), *[list(KVCache.for_model(model, 1, 4).k)] * 2)
+    assert engine.package_path(other, inputs) not in packages and engine.package_path(again, inputs) in packages
+
+
+@pytest.mark.slow
+def test_a_corrupt_package_is_compiled_again(monkeypatch, tmp_path, caplog):
+    """A package file that does not load (truncated, overwritten) is compiled again, with a warning,
+    and decodes as eager; the write is atomic (no partial file is left behind)."""
+    monkeypatch.setattr(engine, "package_directory", lambda: tmp_path)
+    model = apply_plan(tiny_model(), kernels.plan_for(tiny_model(), "bfloat16"))
+    expected = generate(model, [PROMPTS[0]], max_new_tokens=8)
+    assert generate(model, [PROMPTS[0]], max_new_tokens=8, compile=True) == expected
+    (package,) = tmp_path.glob("decode-*.pt2")
+    package.write_bytes(package.read_bytes()[:1000])  # truncated
+    again = apply_plan(tiny_model(), kernels.plan_for(tiny_model(), "bfloat16"))
+    with caplog.at_level(logging.WARNING, logger="gpt2.engine"):
+        assert generate(again, [PROMPTS[0]], max_new_tokens=8, compile=True) == expected
+    assert any("does not load" in r.getMessage() for r in caplog.records)
+    assert [p.name for p in tmp_path.glob("*decode-*")] == [package.name] and package.stat().st_size > 1000
+
+
+def test_int8s_engines_and_plain_models_compile_through_torch_compile():
+    """The u8s8 engines' packed weights are TorchScript objects a graph names by a per-process handle, and a
+    plain GPT's weights are not packed for inference: neither is packaged."""
+    plan = kernels.plan_for(tiny_model(), "int8")
+    plan.choices = {k: kernels.Choice("dynamic fbgemm", {r: "u8s8 dynamic" for r in kernels.REGIMES}, {})
+                    for k in plan.choices}
+    assert not engine.PackagedDecodeStep.applies(apply_plan(tiny_model(), plan))
+    assert not engine.PackagedDecodeStep.applies(tiny_model())
+    bf16 = apply_plan(tiny_model(), kernels.plan_for(tiny_model(), "bfloat16"))
+    add_compile_weights(bf16)  # the plain weights its compiled paths read, as compiled_decode_step gives them
+    assert engine.PackagedDecodeStep.applies(bf16)
+
+
+@pytest.mark.slow
+def test_compiled_decode_of_every_format_equals_eager(monkeypatch):
     """Every format of every precision and each of its decode paths, forced on every linear (the
     measured plan differs from run to run, and each must compile: MKL-packed weights, oneDNN's, the
     int4 kernel's and the u8s8 engines' TorchScript objects behind their custom op). ~20 models compile
@@ -1048,6 +1112,7 @@ def test_compiled_decode_of_every_format_equals_eager():
     path's kernel (engine.compile_options), with its own order of summation and its own bf16 rounding
     of the output: each step's logits are then within twice the precision's kernel tolerance of the
     eager ones (each of the two within one of the exact product), and float32 decodes the same tokens."""
+    monkeypatch.setattr(engine, "PACKAGE_DECODE_STEPS", False)  # torch.compile: ~20 packages would take minutes
     ids = torch.tensor([PROMPTS[0] + PROMPTS[2] + [77, 150, 33, 9, 260]])  # (1, 16)
     def parts_kernels(fmt):  # a combined format's paths that are its parts' own: compiled there already
         return {k for part in fmt.parts for k in format_named(fmt.precision, part).paths.values()}

@@ -37,14 +37,19 @@ Stop strings are text, so they are matched at the edges (the CLI, the server) wi
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
+import logging
 import os
 import time
 import types
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -52,6 +57,8 @@ from gpt2.config import GPT2_EOT
 from gpt2.errors import ConfigError, ContextLengthError
 from gpt2.kv_cache import KVCache
 from gpt2.sampling import SamplingConfig, SamplingState, accept_drafts, draw, greedy, make_generators, next_tokens
+
+log = logging.getLogger(__name__)
 
 
 
@@ -265,6 +272,7 @@ class _SlotCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         keys, values = self.cache.k[layer], self.cache.v[layer]
+        torch._check(self.capacity <= keys.size(2))  # the slots attended fit the cache (else export fixes both sizes)
         keys.index_copy_(2, self.pos, k.to(keys.dtype))  # k, v (B, nh, 1, hs) into (B, nh, capacity, hs)
         values.index_copy_(2, self.pos, v.to(values.dtype))
         return keys[:, :, : self.capacity], values[:, :, : self.capacity]
@@ -287,20 +295,185 @@ _compiled_decode_steps: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary(
 
 
 def compiled_decode_step(model):
-    """decode_step under torch.compile for this model, built once per model; each batch size compiles.
+    """decode_step compiled for this model, built once per model; each batch size compiles.
 
-    Each graph has the model's packed weights frozen into it as constants (StaticDecode), so a graph
-    serves one model only. Dynamo counts recompilations per code object (8 at most, then fullgraph
-    fails), so every model gets its own copy of decode_step's code: the limit counts its batch sizes only.
-    Dynamo keeps compiled graphs, their frozen weights with them, until torch._dynamo.reset().
+    A model load_for_inference prepared, on a CPU, gets a PackagedDecodeStep: AOTInductor compiles the
+    step into a file, which later processes load in a second. Any other (a plain GPT, a GPU, int8's u8s8
+    engines) gets decode_step under torch.compile, which compiles again in every process.
+
+    Either way each graph has the model's packed weights frozen into it as constants (StaticDecode), so
+    a graph serves one model only. Dynamo counts recompilations per code object (8 at most, then
+    fullgraph fails), so every model gets its own copy of decode_step's code: the limit counts its batch
+    sizes only. Dynamo keeps compiled graphs, their frozen weights with them, until torch._dynamo.reset().
     """
     step = _compiled_decode_steps.get(model)
     if step is None:
         from gpt2.quantize import add_compile_weights
-        add_compile_weights(model)  # plain weights some packings do not keep (MKL's), for Inductor to pack
-        own = types.FunctionType(decode_step.__code__.replace(), decode_step.__globals__, decode_step.__name__)
-        step = _compiled_decode_steps[model] = torch.compile(own, dynamic=False, fullgraph=True)
+        add_compile_weights(model)  # plain weights some packings do not keep (MKL's, oneDNN's), for Inductor to pack
+        if PACKAGE_DECODE_STEPS and PackagedDecodeStep.applies(model):
+            step = _compiled_decode_steps[model] = PackagedDecodeStep()
+        else:
+            own = types.FunctionType(decode_step.__code__.replace(), decode_step.__globals__, decode_step.__name__)
+            step = _compiled_decode_steps[model] = torch.compile(own, dynamic=False, fullgraph=True)
     return step
+
+
+# ---------------------------------------------------------------------------------------------
+# the compiled step, packaged: compiled once per model, machine and batch size, then loaded from a file
+# ---------------------------------------------------------------------------------------------
+
+PACKAGE_DECODE_STEPS = True  # False: every compiled step through torch.compile (tests of Dynamo's own paths)
+PACKAGE_CACHE_BYTES = 8 << 30  # the packages kept (least recently used dropped first); each holds its weights
+
+
+class _StepModule(torch.nn.Module):
+    """decode_step as a module for torch.export, the model its submodule (its weights lifted as such)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, positions, slot, keys, k: list, v: list):
+        return decode_step(self.model, ids, positions, slot, keys, SimpleNamespace(k=k, v=v))
+
+
+class PackagedDecodeStep:
+    """decode_step compiled ahead of time (AOTInductor), one package file per model, machine and batch size.
+
+    torch.compile builds its graph again in every process: 30-60 s for a bf16 GPT-2 124M on 2 cores,
+    as its oneDNN-packed constants keep Inductor's graph cache from storing it. Here the step is
+    exported with the attended length and the cache's capacity dynamic, compiled with the same options
+    (compile_options: freezing, autotuned GEMMs) into a .pt2 package holding the code and its frozen
+    weights, and loaded in 0.1-2 s by any later process: under $XDG_CACHE_HOME/gpt2/compiled, keyed by
+    the weights (weights_digest), the machine (kernels.machine_key), the batch rows, the inputs' dtypes,
+    the compile options and this package's code. It runs as a C++ function: no guards, no Python
+    wrapper. A corrupt package is compiled again. The cache keeps PACKAGE_CACHE_BYTES.
+    """
+
+    def __init__(self):
+        self.runners: dict[tuple, object] = {}  # (rows, cache dtype) -> the loaded package
+
+    @staticmethod
+    def applies(model) -> bool:
+        """A model whose every linear is packed for inference (FastLinear), on a CPU, whose compiled paths
+        read plain tensors only: not int8's u8s8 engines (TorchScript objects, named in the graph by a
+        handle that holds in this process only), and not a format left without its plain weight."""
+        from gpt2.quantize import FastLinear, _Packed, linear_layers
+        layers = [layer for _, _, layer, _ in linear_layers(model)]
+        if model.transformer.wte.weight.device.type != "cpu" or not all(isinstance(x, FastLinear) for x in layers):
+            return False
+        for layer in layers:
+            if any(isinstance(t, _Packed) and not isinstance(t.obj, torch.Tensor) for t in layer.tensors.values()):
+                return False
+            if layer.format.compile_weight is not None and "weight" not in layer.tensors:
+                return False
+        return True
+
+    def __call__(self, model, ids, positions, slot, keys, cache) -> torch.Tensor:
+        # keys is a view of the (B, capacity) mask: a copy, so that no stride ties its length to the capacity
+        inputs = (ids, positions, slot, keys.clone(memory_format=torch.contiguous_format), list(cache.k), list(cache.v))
+        runner = self.runners.get((ids.size(0), cache.k[0].dtype))
+        if runner is None:
+            runner = self.runners[(ids.size(0), cache.k[0].dtype)] = _load_or_build_package(model, inputs)
+        return runner(*inputs)  # (B, V)
+
+
+def package_directory() -> Path:
+    """$XDG_CACHE_HOME/gpt2/compiled (default ~/.cache): the packaged decode steps."""
+    from gpt2.datasets import default_cache_dir
+    return default_cache_dir() / "compiled"
+
+
+def package_path(model, inputs) -> Path:
+    """Where the package of decode_step for this model and these inputs (their dtypes and static sizes) lives."""
+    from gpt2.kernels import machine_key
+    ids, positions, slot, keys, k, v = inputs
+    described = {"weights": weights_digest(model), "machine": machine_key(), "code": _code_digest(),
+                 "options": compile_options("cpu"), "layers": len(k),
+                 "inputs": [(str(t.dtype), t.size(0)) for t in (ids, positions, slot, keys)]
+                 + [(str(t.dtype), t.size(0), t.size(1), t.size(3)) for t in (k[0], v[0])]}
+    key = hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    return package_directory() / f"decode-{key}.pt2"
+
+
+@functools.cache
+def _code_digest() -> str:
+    """sha256 of this package's Python files: a package compiled by other code is never loaded."""
+    h = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.rglob("*.py")):
+        h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()
+
+
+def _load_or_build_package(model, inputs):
+    path = package_path(model, inputs)
+    if path.exists():
+        start = time.perf_counter()
+        try:
+            runner = torch._inductor.aoti_load_package(str(path))
+            os.utime(path)  # recently used: the cache drops the least recently used first
+            log.info("loaded the compiled decode step from %s in %.1f s", path, time.perf_counter() - start)
+            return runner
+        except Exception as error:  # a truncated or corrupt file: compile it again
+            log.warning("compiled decode step %s does not load (%s): compiling it again", path, error)
+            path.unlink(missing_ok=True)
+    start = time.perf_counter()
+    ids, positions, slot, keys, k, v = inputs
+    log.info("compiling the decode step for %d rows into %s (once per model, machine and batch size)",
+             ids.size(0), path)
+    length = torch.export.Dim("length", min=2, max=1 << 16)  # the keys attended to: slot + 1
+    capacity = torch.export.Dim("capacity", min=3, max=1 << 16)  # the cache's slots
+    dynamic = (None, None, None, {1: length}, [{2: capacity}] * len(k), [{2: capacity}] * len(v))
+    with _opaque_buffers_hidden(model):
+        program = torch.export.export(_StepModule(model), inputs, dynamic_shapes=dynamic, strict=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".partial-{os.getpid()}-{path.name}")  # .pt2 at the end, as AOTInductor requires
+    try:
+        torch._inductor.aoti_compile_and_package(program, package_path=str(partial),
+                                                 inductor_configs=compile_options("cpu"))
+        os.replace(partial, path)  # atomic: a reader sees the whole package or none
+    finally:
+        partial.unlink(missing_ok=True)
+    _drop_least_recently_used(path.parent, keep=path)
+    log.info("compiled the decode step in %.1f s", time.perf_counter() - start)
+    return torch._inductor.aoti_load_package(str(path))
+
+
+@contextlib.contextmanager
+def _opaque_buffers_hidden(model):
+    """The model's opaque buffers (oneDNN's and MKL's packed weights, which torch.export cannot trace) out of
+    sight while it exports: the compiled paths read their plain copies instead (add_compile_weights)."""
+    hidden = []
+    for module in model.modules():
+        for name, t in list(module._buffers.items()):
+            if t is not None and _is_opaque(t):
+                hidden.append((module, name, module._buffers.pop(name)))
+    try:
+        yield
+    finally:
+        for module, name, t in hidden:
+            module._buffers[name] = t
+
+
+def _is_opaque(t: torch.Tensor) -> bool:
+    if t.is_mkldnn:
+        return True
+    try:
+        t.untyped_storage()
+        return False
+    except (NotImplementedError, RuntimeError):
+        return True
+
+
+def _drop_least_recently_used(directory: Path, keep: Path) -> None:
+    packages = sorted(directory.glob("decode-*.pt2"), key=lambda p: p.stat().st_mtime)
+    total = sum(p.stat().st_size for p in packages)
+    for old in packages:
+        if total <= PACKAGE_CACHE_BYTES:
+            break
+        if old != keep:
+            total -= old.stat().st_size
+            old.unlink(missing_ok=True)
 
 
 def _inductor_config():
@@ -347,17 +520,24 @@ def weights_digest(model) -> str:
     """sha256 over the model's parameters and buffers (names, dtypes, shapes, bytes), once a model.
 
     A oneDNN-packed weight is hashed in its plain layout. Packed engine objects (int8's u8s8 weights)
-    are not tensors: they are made from the q and scales buffers beside them, which are hashed.
-    hashlib lets go of the GIL, so tensors are hashed on every core: 124M in 0.2-0.3 s on 2 cores
-    (int4, bf16), 0.9 s in float32 with MKL's packed copies.
+    are not tensors: they are made from the q and scales buffers beside them, which are hashed. MKL's
+    packed weight is not hashed (WeightFormat.unset_padding: two packs of one weight differ in bytes);
+    a compiled step reads its plain copy (add_compile_weights), which is, and a graph holding MKL's
+    packed tensor instead (memory short) is neither packaged nor stored by Inductor's cache.
+    hashlib lets go of the GIL, so tensors are hashed on every core: 124M in 0.2-0.3 s on 2 cores.
     """
     digest = _weights_digests.get(model)
     if digest is None:
+        from gpt2.quantize import FastLinear
         tensors = dict(model.named_parameters(remove_duplicate=False))
         tensors.update(model.named_buffers(remove_duplicate=False))
+        unset_padding = {id(layer.tensors[name]) for layer in model.modules() if isinstance(layer, FastLinear)
+                         for name in layer.format.unset_padding}
 
         def describe(item) -> str:
             name, t = item
+            if id(t) in unset_padding:
+                return f"{name}:{tuple(t.shape)};"
             t = (t.to_dense() if t.is_mkldnn else t).detach().cpu().contiguous()
             data = t.view(-1).view(torch.uint8).numpy().data if t.numel() else b""
             return f"{name}:{t.dtype}:{tuple(t.shape)}:{hashlib.sha256(data).hexdigest()};"
@@ -401,6 +581,8 @@ def checked_compiled_step(model, args) -> torch.Tensor:
     and the cache's capacity follows the request: both marked dynamic, one graph serves every step of
     every request of this batch size.
     """
+    if isinstance(compiled_decode_step(model), PackagedDecodeStep):
+        return compiled_decode_step(model)(*args)  # no guards: its inputs come from StaticDecode or the scheduler
     keys, cache = args[4], args[5]
     torch._dynamo.mark_dynamic(keys, 1)
     for layer_cache in list(cache.k) + list(cache.v):  # (B, nh, capacity, hs) each
@@ -415,9 +597,12 @@ def unchecked_compiled_step(model, args) -> torch.Tensor:
     """compiled_decode_step(model)(*args) evaluating only the guards that tell the model's graphs apart,
     for a caller whose last call, with every guard checked, had the same model, cache storage and
     sizes but the attended length; if a size guard fails after all, every guard is checked again."""
+    step = compiled_decode_step(model)
+    if isinstance(step, PackagedDecodeStep):
+        return step(*args)
     try:
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-            return compiled_decode_step(model)(*args)
+            return step(*args)
     except RuntimeError as error:
         if "skip_guard_eval_unsafe" not in str(error):
             raise

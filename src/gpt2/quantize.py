@@ -127,8 +127,10 @@ def _upcast(x, t, bias, activation):
 
 
 def _onednn(x, t, bias, activation):
-    # Under torch.compile (the engine's compiled decode freezes its weights) Inductor lowers this op to
-    # the same oneDNN call, its packed weight a constant of the graph.
+    if torch.compiler.is_compiling() and "weight" in t:  # the plain weight, given back for compiling:
+        # Inductor packs it its own way (oneDNN's, or its GEMM template's); torch.export cannot trace
+        # oneDNN's opaque packed tensor (engine.PackagedDecodeStep)
+        return _act(F.linear(x.to(t["weight"].dtype), t["weight"], bias), activation)
     x = x.to(t["onednn"].dtype)
     if activation is None:
         return torch.ops.mkldnn._linear_pointwise(x, t["onednn"], bias, "none", [], "")
@@ -378,9 +380,13 @@ class WeightFormat:
     # the same tensors). It is not measured itself: kernels.py reads its timings off its parts' and
     # keeps it only where it gains enough to pay for its memory.
     parts: dict[str, dict[str, str]] = field(default_factory=dict)
-    # tensors -> the float32 (N, K) weight its compiled path reads, for a format that does not keep it (MKL's:
-    # Inductor lowers _mkl_linear only for weights it packed itself); add_compile_weights, before compiling
+    # tensors -> the plain (N, K) weight its compiled path reads, for a format that does not keep it (MKL's:
+    # Inductor lowers _mkl_linear only for weights it packed itself; oneDNN's: torch.export cannot trace its
+    # opaque packed tensor); add_compile_weights, before compiling
     compile_weight: Callable[[dict], torch.Tensor] | None = None
+    # packed tensors whose padding bytes the packing leaves unset (MKL's): one weight packs to other bytes each
+    # time, so they are compared and hashed (engine.weights_digest) through the weight they hold, never as bytes
+    unset_padding: tuple[str, ...] = ()
 
 
 def _has(namespace, op: str) -> Callable[[], bool]:
@@ -532,6 +538,10 @@ def _onednn_reference(w, t, rows=None):
     return _rows(t["onednn"].to_dense(), rows).double()  # read back (engine.quantized_copy: no w)
 
 
+def _onednn_weight(t) -> torch.Tensor:
+    return t["onednn"].to_dense()  # (N, K) in the packed dtype: a reorder back, exact
+
+
 def _int4_reference(w, t, rows=None):
     if w is None:
         raise ValueError("int4pack keeps only the kernel's packed nibbles")
@@ -545,16 +555,18 @@ CPU_FORMATS: list[WeightFormat] = [
     WeightFormat("plain", "float32", lambda w, b: {"weight": w.contiguous()}, _plain_reference,
                  {"F.linear": _plain}),
     WeightFormat("onednn", "float32", lambda w, b: {"onednn": torch.ops.mkldnn._reorder_linear_weight(w, 1)},
-                 _onednn_reference, {"onednn": _onednn}, available=lambda: onednn_runs(torch.float32)),
+                 _onednn_reference, {"onednn": _onednn}, compile_weight=_onednn_weight,
+                 available=lambda: onednn_runs(torch.float32)),
     # The same kernel on the weight laid out for 8-row calls (oneDNN's batch-size hint). Measured on an AMD
     # EPYC (Zen 5), this layout was faster for float32 at every row count: 1 row 15-30% (768x3072: 279 vs
     # 196 us), 8 rows 2.5x, 128 rows 15-19%; for bf16 the hint made no difference.
     WeightFormat("onednn b8", "float32", lambda w, b: {"onednn": torch.ops.mkldnn._reorder_linear_weight(w, 8)},
-                 _onednn_reference, {"onednn": _onednn}, available=lambda: onednn_runs(torch.float32)),
+                 _onednn_reference, {"onednn": _onednn}, compile_weight=_onednn_weight,
+                 available=lambda: onednn_runs(torch.float32)),
     WeightFormat("mkl", "float32",
                  lambda w, b: {"mkl": torch.ops.mkl._mkl_reorder_linear_weight(w, 1),
                                "shape": _Packed(_shape_only(*w.shape))},
-                 _mkl_reference, {"mkl": _mkl}, compile_weight=_mkl_weight,
+                 _mkl_reference, {"mkl": _mkl}, compile_weight=_mkl_weight, unset_padding=("mkl",),
                  available=lambda: _has("mkl", "_mkl_linear")() and torch.backends.mkl.is_available()),
     WeightFormat("plain", "bfloat16", lambda w, b: {"weight": w.to(torch.bfloat16)},
                  lambda w, t, rows=None: _rows(t["weight"], rows).double(), {"F.linear": _plain, "fp32 GEMM": _upcast}),
@@ -562,7 +574,8 @@ CPU_FORMATS: list[WeightFormat] = [
     # above offers the float32-GEMM path for CPUs whose bf16 GEMM is slow.
     WeightFormat("onednn", "bfloat16",
                  lambda w, b: {"onednn": torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), 1)},
-                 _onednn_reference, {"onednn": _onednn}, available=lambda: onednn_runs(torch.bfloat16)),
+                 _onednn_reference, {"onednn": _onednn}, compile_weight=_onednn_weight,
+                 available=lambda: onednn_runs(torch.bfloat16)),
     WeightFormat("weight-only", "int8", _pack_int8, _int8_reference,
                  {"int8pack_mm": _int8pack, "dequant bf16": _int8_dequant_bf16,
                   "dequant fp32": _int8_dequant(torch.float32)}, many_row_paths=("dequant bf16", "dequant fp32"),
@@ -785,7 +798,7 @@ class FastLinear(nn.Module):
         return y.float() + offset[:, None]
 
     def keep_plain_weight(self, weight: torch.Tensor | None = None) -> None:
-        """Keep the float32 (N, K) weight, read back from the packing unless given, for a compiled path that
+        """Keep the plain (N, K) weight, read back from the packing unless given, for a compiled path that
         reads it (WeightFormat.compile_weight). Eager paths never read it."""
         if "weight" not in self.tensors:
             weight = self.format.compile_weight(self.kernel_args) if weight is None else weight.detach()
@@ -869,10 +882,11 @@ def available_memory_bytes() -> float:
 def add_compile_weights(model: nn.Module) -> None:
     """Before a decode step compiles: each layer whose format's compiled path reads a plain weight the format
     does not keep (WeightFormat.compile_weight) gets it back, a float32 model's tied lm_head wte's own
-    table. Eager, a float32 model holds each such weight once (MKL's packing); compiled, twice, as
+    table. Eager, a model holds each such weight once (MKL's or oneDNN's packing); compiled, twice, as
     Inductor packs its own from the plain one. Where compiling with them would not fit in the memory
-    available (COMPILE_BYTES_PER_FLOAT32_BYTE), they are left out: those layers compile as MKL's own
-    GEMM (mkl_linear_op), nothing for Inductor to pack, ~10% slower at 1 row and ~20% at 8 (GPT-2 124M)."""
+    available (COMPILE_BYTES_PER_FLOAT32_BYTE), they are left out: those layers compile as their own
+    kernels (mkl_linear_op, oneDNN's op), nothing for Inductor to pack, ~10% slower at 1 row and ~20%
+    at 8 for MKL's (GPT-2 124M), and the step is not packaged (engine.PackagedDecodeStep)."""
     packed = [(attr, layer) for _, attr, layer, _ in linear_layers(model) if isinstance(layer, FastLinear)]
     layers = [(attr, layer) for attr, layer in packed if layer.format.compile_weight is not None]
     if not layers:
@@ -882,7 +896,7 @@ def add_compile_weights(model: nn.Module) -> None:
     needed, available = COMPILE_BYTES_PER_FLOAT32_BYTE * float32_bytes, available_memory_bytes()
     if needed > available:
         log.warning("compiling with Inductor's own float32 weights needs ~%.1f GB, %.1f GB available: %d layers "
-                    "compile as MKL's GEMM instead", needed / 1e9, available / 1e9, len(layers))
+                    "compile as MKL's GEMM or oneDNN's instead", needed / 1e9, available / 1e9, len(layers))
         return
     table = model.transformer.wte.weight
     for attr, layer in layers:
