@@ -195,6 +195,34 @@ def test_compiled_decode_steps_draw_what_eager_generate_draws(model, monkeypatch
     assert graphs == [counters["stats"]["unique_graphs"]]  # nothing compiled after the first token
 
 
+@pytest.mark.slow
+def test_packaged_decode_steps_in_the_scheduler_draw_what_eager_generate_draws(model, tmp_path, monkeypatch):
+    """A model packed for inference (bf16) under Scheduler(compile=True): each row count's step is a
+    package (engine.PackagedDecodeStep), run over views of the storage's first rows, which it writes in
+    place. Greedy sequences, one joining mid-flight, get engine.generate's eager tokens."""
+    import copy
+
+    from gpt2 import engine, kernels
+    from gpt2.quantize import apply_plan
+    monkeypatch.setattr(engine, "package_directory", lambda: tmp_path)
+    packed = apply_plan(copy.deepcopy(model), kernels.plan_for(model, "bfloat16"))
+    sched = Scheduler(packed, max_batch=2, max_queue=4, initial_capacity=16, prefix_cache=False, compile=True)
+    out, entries = {}, {}
+    seqs = {"first": Continuation(prompt=random_prompt(5, 50), max_new_tokens=24, emit=None),
+            "second": Continuation(prompt=random_prompt(13, 51), max_new_tokens=12, emit=None)}
+
+    def then(ev):
+        if ev[0] == "token" and len(out["first"]) == 3:
+            sched.submit([seqs["second"]])
+    seqs["first"].emit = recording(out, entries, "first", then)
+    seqs["second"].emit = recording(out, entries, "second")
+    run(sched, list(seqs.values()), first=[seqs["first"]])
+    assert isinstance(engine._compiled_decode_steps[packed], engine.PackagedDecodeStep)
+    assert len(list(tmp_path.glob("decode-*.pt2"))) == 2  # 1 row and 2
+    for name, seq in seqs.items():
+        assert out[name] == reference(packed, seq), name
+
+
 def test_releasing_openmp_threads_keeps_parallel_results():
     """Scheduler.start() lets the calling thread's OpenMP workers go (release_openmp_threads: with them
     parked beside the scheduler thread's, libgomp barely spins and decode ran 1.5x slower on 2 cores).

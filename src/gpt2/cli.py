@@ -375,10 +375,11 @@ def add_generate_parser(sub):
                         "at --dtype bfloat16, int8 and int4; --verbose says which)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the decode step (with --draft: the draft's), at any --dtype (the first "
-                        "step compiles, its GEMMs autotuned on a CPU: 20-50 s for GPT-2 124M on 2 cores, about 12 s "
-                        "for int4 and int8 once Inductor has cached the graph; then decode runs 1.2-1.6x "
-                        "faster: BENCHMARKS.md)")
+                   help="compile the decode step (with --draft: the draft's), at any --dtype (the first "
+                        "step compiles, its GEMMs autotuned on a CPU: 20-60 s for GPT-2 124M on 2 cores, once per "
+                        "model, machine and batch size: later runs load float32 and bf16 steps from "
+                        "~/.cache/gpt2/compiled in ~3 s, int4 and int8 graphs from Inductor's cache in ~12 s; "
+                        "then decode runs 1.2-1.7x faster: BENCHMARKS.md)")
     p.add_argument("--draft", default=None,
                    help="speculative decoding: a smaller model with the same vocabulary (loaded at --draft-dtype), "
                         "or self:int8 / self:int4 (this model's weights, quantized)")
@@ -508,8 +509,8 @@ def add_serve_parser(sub):
     p.add_argument("--compile", action="store_true",
                    help="decode steps through the compiled step, at any --dtype: a graph per batch-row count "
                         "(1, 2, 4, ... --max-batch), all built as the server starts, before its first request "
-                        "(20-50 s a graph for GPT-2 124M on 2 cores; int4 and int8 about 12 s once Inductor has "
-                        "cached them)")
+                        "(20-60 s a graph for GPT-2 124M on 2 cores the first time; then float32 and bf16 load from "
+                        "~/.cache/gpt2/compiled in ~3 s, int4 and int8 take about 12 s from Inductor's cache)")
     p.set_defaults(func=cmd_serve)
 
 

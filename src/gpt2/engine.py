@@ -18,9 +18,11 @@ How a batch runs:
      prefill; each step only slices them.
   4. Each row stops on its own (EOS, stop ids, the caller's `finish(row)`, e.g. on a stop string);
      the batch stops when every row has.
-  5. With compile=True, decode runs `decode_step` under torch.compile instead: the same blocks, the
-     cache position a tensor and the attended length a dynamic size, so one graph serves every step
-     of every request of one batch size, the model's weights frozen into it (StaticDecode).
+  5. With compile=True, decode runs `decode_step` compiled instead: the same blocks, the cache
+     position a tensor and the attended length a dynamic size, so one graph serves every step of
+     every request of one batch size, the model's weights frozen into it (StaticDecode). A model
+     load_for_inference prepared is compiled ahead of time into a package file that later processes
+     load (PackagedDecodeStep); anything else goes through torch.compile in every process.
 
 Speculative decoding (draft=a smaller GPT of the same vocabulary, or "self:int8" / "self:int4"):
     new_ids = generate(model, prompts, max_new_tokens=64, draft=small, draft_tokens=4)
@@ -70,7 +72,7 @@ class GenerationConfig:
     stop_token_ids: list[int] | None = None  # besides EOS; a stop token is not part of the output
     ignore_eos: bool = False                 # EOS is <|endoftext|> when the vocabulary is GPT-2's
     truncate: str | None = None              # None: a too-long prompt is an error; "left": keep its end
-    compile: bool = False                    # decode with one torch.compile'd step (with a draft: the draft's)
+    compile: bool = False                    # decode with one compiled step (with a draft: the draft's)
     draft: object = None                     # speculative decoding: a GPT with the same vocabulary,
                                              # or "self:int8" / "self:int4" (the target's weights, quantized)
     draft_tokens: int = 4                    # k: tokens the draft proposes per round (the first round's)
@@ -298,7 +300,7 @@ def compiled_decode_step(model):
     """decode_step compiled for this model, built once per model; each batch size compiles.
 
     A model load_for_inference prepared, on a CPU, gets a PackagedDecodeStep: AOTInductor compiles the
-    step into a file, which later processes load in a second. Any other (a plain GPT, a GPU, int8's u8s8
+    step into a file, which later processes load in seconds. Any other (a plain GPT, a GPU, int8's u8s8
     engines) gets decode_step under torch.compile, which compiles again in every process.
 
     Either way each graph has the model's packed weights frozen into it as constants (StaticDecode), so
@@ -344,7 +346,7 @@ class PackagedDecodeStep:
     as its oneDNN-packed constants keep Inductor's graph cache from storing it. Here the step is
     exported with the attended length and the cache's capacity dynamic, compiled with the same options
     (compile_options: freezing, autotuned GEMMs) into a .pt2 package holding the code and its frozen
-    weights, and loaded in 0.1-2 s by any later process: under $XDG_CACHE_HOME/gpt2/compiled, keyed by
+    weights, and loaded in 2-3 s by any later process: under $XDG_CACHE_HOME/gpt2/compiled, keyed by
     the weights (weights_digest), the machine (kernels.machine_key), the batch rows, the inputs' dtypes,
     the compile options and this package's code. It runs as a C++ function: no guards, no Python
     wrapper. A corrupt package is compiled again. The cache keeps PACKAGE_CACHE_BYTES.
@@ -446,23 +448,13 @@ def _opaque_buffers_hidden(model):
     hidden = []
     for module in model.modules():
         for name, t in list(module._buffers.items()):
-            if t is not None and _is_opaque(t):
+            if t is not None and t.is_mkldnn:  # oneDNN's packed weights and MKL's both have the mkldnn layout
                 hidden.append((module, name, module._buffers.pop(name)))
     try:
         yield
     finally:
         for module, name, t in hidden:
             module._buffers[name] = t
-
-
-def _is_opaque(t: torch.Tensor) -> bool:
-    if t.is_mkldnn:
-        return True
-    try:
-        t.untyped_storage()
-        return False
-    except (NotImplementedError, RuntimeError):
-        return True
 
 
 def _drop_least_recently_used(directory: Path, keep: Path) -> None:
