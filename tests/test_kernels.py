@@ -1103,6 +1103,24 @@ def test_a_corrupt_package_is_compiled_again(monkeypatch, tmp_path, caplog):
     assert list(tmp_path.glob("*decode-*")) == [package] and package.read_bytes() == b"a package"
 
 
+@pytest.mark.slow
+def test_a_step_that_cannot_be_packaged_compiles_through_torch_compile(monkeypatch, tmp_path, caplog):
+    """Where export or AOTInductor fails (a format its lowering does not take), the step compiles through
+    torch.compile instead, with a warning, and decodes as eager."""
+    monkeypatch.setattr(engine, "package_directory", lambda: tmp_path)
+
+    def export(*args, **kwargs):
+        raise RuntimeError("an op export does not take")
+    monkeypatch.setattr(torch.export, "export", export)
+    model = apply_plan(tiny_model(), kernels.plan_for(tiny_model(), "bfloat16"))
+    with caplog.at_level(logging.WARNING, logger="gpt2.engine"):
+        assert generate(model, [PROMPTS[0]], max_new_tokens=8, compile=True) == generate(model, [PROMPTS[0]],
+                                                                                        max_new_tokens=8)
+    assert any("could not package" in r.getMessage() for r in caplog.records)
+    assert not isinstance(engine._compiled_decode_steps[model], engine.PackagedDecodeStep)
+    assert not list(tmp_path.glob("*decode-*"))
+
+
 def test_int8s_engines_and_plain_models_compile_through_torch_compile():
     """The u8s8 engines' packed weights are TorchScript objects a graph names by a per-process handle, and a
     plain GPT's weights are not packed for inference: neither is packaged."""

@@ -315,9 +315,13 @@ def compiled_decode_step(model):
         if PACKAGE_DECODE_STEPS and PackagedDecodeStep.applies(model):
             step = _compiled_decode_steps[model] = PackagedDecodeStep()
         else:
-            own = types.FunctionType(decode_step.__code__.replace(), decode_step.__globals__, decode_step.__name__)
-            step = _compiled_decode_steps[model] = torch.compile(own, dynamic=False, fullgraph=True)
+            step = _compiled_decode_steps[model] = _torch_compiled_step()
     return step
+
+
+def _torch_compiled_step():
+    own = types.FunctionType(decode_step.__code__.replace(), decode_step.__globals__, decode_step.__name__)
+    return torch.compile(own, dynamic=False, fullgraph=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,7 +353,8 @@ class PackagedDecodeStep:
     weights, and loaded in 2-3 s by any later process: under $XDG_CACHE_HOME/gpt2/compiled, keyed by
     the weights (weights_digest), the machine (kernels.machine_key), the batch rows, the inputs' dtypes,
     the compile options and this package's code. It runs as a C++ function: no guards, no Python
-    wrapper. A corrupt package is compiled again. The cache keeps PACKAGE_CACHE_BYTES.
+    wrapper. A corrupt package is compiled again; where export or AOTInductor fails, checked_compiled_step
+    falls back to torch.compile. The cache keeps PACKAGE_CACHE_BYTES.
     """
 
     def __init__(self):
@@ -574,7 +579,12 @@ def checked_compiled_step(model, args) -> torch.Tensor:
     every request of this batch size.
     """
     if isinstance(compiled_decode_step(model), PackagedDecodeStep):
-        return compiled_decode_step(model)(*args)  # no guards: its inputs come from StaticDecode or the scheduler
+        try:
+            return compiled_decode_step(model)(*args)  # no guards: its inputs come from StaticDecode or the scheduler
+        except Exception as error:  # export or AOTInductor failed on some format: torch.compile's graph instead
+            log.warning("could not package the compiled decode step (%s: %s): compiling it with torch.compile",
+                        type(error).__name__, error)
+            _compiled_decode_steps[model] = _torch_compiled_step()
     keys, cache = args[4], args[5]
     torch._dynamo.mark_dynamic(keys, 1)
     for layer_cache in list(cache.k) + list(cache.v):  # (B, nh, capacity, hs) each
