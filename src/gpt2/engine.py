@@ -463,13 +463,13 @@ def _opaque_buffers_hidden(model):
 
 
 def _drop_least_recently_used(directory: Path, keep: Path) -> None:
-    packages = sorted(directory.glob("decode-*.pt2"), key=lambda p: p.stat().st_mtime)
-    total = sum(p.stat().st_size for p in packages)
-    for old in packages:
+    packages = sorted((p.stat().st_mtime, p.stat().st_size, p) for p in directory.glob("decode-*.pt2"))
+    total = sum(size for _, size, _ in packages)
+    for _, size, old in packages:
         if total <= PACKAGE_CACHE_BYTES:
             break
         if old != keep:
-            total -= old.stat().st_size
+            total -= size
             old.unlink(missing_ok=True)
 
 
@@ -578,9 +578,10 @@ def checked_compiled_step(model, args) -> torch.Tensor:
     and the cache's capacity follows the request: both marked dynamic, one graph serves every step of
     every request of this batch size.
     """
-    if isinstance(compiled_decode_step(model), PackagedDecodeStep):
+    step = compiled_decode_step(model)
+    if isinstance(step, PackagedDecodeStep):
         try:
-            return compiled_decode_step(model)(*args)  # no guards: its inputs come from StaticDecode or the scheduler
+            return step(*args)  # no guards: its inputs come from StaticDecode or the scheduler
         except Exception as error:  # export or AOTInductor failed on some format: torch.compile's graph instead
             log.warning("could not package the compiled decode step (%s: %s): compiling it with torch.compile",
                         type(error).__name__, error)

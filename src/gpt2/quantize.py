@@ -130,7 +130,7 @@ def _onednn(x, t, bias, activation):
     if torch.compiler.is_compiling() and "weight" in t:  # the plain weight, given back for compiling:
         # Inductor packs it its own way (oneDNN's, or its GEMM template's); torch.export cannot trace
         # oneDNN's opaque packed tensor (engine.PackagedDecodeStep)
-        return _act(F.linear(x.to(t["weight"].dtype), t["weight"], bias), activation)
+        return _plain(x, t, bias, activation)
     x = x.to(t["onednn"].dtype)
     if activation is None:
         return torch.ops.mkldnn._linear_pointwise(x, t["onednn"], bias, "none", [], "")
@@ -140,7 +140,7 @@ def _onednn(x, t, bias, activation):
 def _mkl(x, t, bias, activation):
     if torch.compiler.is_compiling():  # Inductor lowers _mkl_linear only for weights it packed itself:
         if "weight" in t:  # the plain weight, given back for compiling (add_compile_weights)
-            return _act(F.linear(x, t["weight"], bias), activation)
+            return _plain(x, t, bias, activation)
         return _act(mkl_linear_op(x, t["mkl"], list(t["shape"].shape), bias), activation)  # where it would not fit
     return _act(_mkl_linear(x, t["mkl"], t["shape"], bias), activation)
 
@@ -535,7 +535,7 @@ def _onednn_reference(w, t, rows=None):
         # bf16 rounded as .to rounds). Checking the kernel against w itself also checks the packing, and
         # skips reading back the whole packed weight (to_dense: ~0.5 s for gpt2-xl's float32 lm_head).
         return _rows(w, rows).to(t["onednn"].dtype).double()
-    return _rows(t["onednn"].to_dense(), rows).double()  # read back (engine.quantized_copy: no w)
+    return _rows(_onednn_weight(t), rows).double()  # read back (engine.quantized_copy: no w)
 
 
 def _onednn_weight(t) -> torch.Tensor:
