@@ -197,7 +197,7 @@ def test_compiled_decode_steps_draw_what_eager_generate_draws(model, monkeypatch
 
 @pytest.mark.slow
 def test_packaged_decode_steps_in_the_scheduler_draw_what_eager_generate_draws(model, tmp_path, monkeypatch):
-    """A model packed for inference (bf16) under Scheduler(compile=True): each row count's step is a
+    """A model packed for inference (bf16) under Scheduler(compile=True): every row count's step is one
     package (engine.PackagedDecodeStep), run over views of the storage's first rows, which it writes in
     place. Greedy sequences, one joining mid-flight, get engine.generate's eager tokens."""
     import copy
@@ -218,7 +218,7 @@ def test_packaged_decode_steps_in_the_scheduler_draw_what_eager_generate_draws(m
     seqs["second"].emit = recording(out, entries, "second")
     run(sched, list(seqs.values()), first=[seqs["first"]])
     assert isinstance(engine._compiled_decode_steps[packed], engine.PackagedDecodeStep)
-    assert len(list(tmp_path.glob("decode-*.pt2"))) == 2  # 1 row and 2
+    assert len(list(tmp_path.glob("decode-*.pt2"))) == 1  # 1 row and 2: one package (engine.PACKAGE_ROWS)
     for name, seq in seqs.items():
         assert out[name] == reference(packed, seq), name
 

@@ -310,11 +310,11 @@ def compiled_decode_step(model):
     """
     step = _compiled_decode_steps.get(model)
     if step is None:
-        from gpt2.quantize import add_compile_weights
-        add_compile_weights(model)  # plain weights some packings do not keep (MKL's, oneDNN's), for Inductor to pack
         if PACKAGE_DECODE_STEPS and PackagedDecodeStep.applies(model):
-            step = _compiled_decode_steps[model] = PackagedDecodeStep()
+            step = _compiled_decode_steps[model] = PackagedDecodeStep()  # builds with add_compile_weights
         else:
+            from gpt2.quantize import add_compile_weights
+            add_compile_weights(model)  # plain weights some packings do not keep (MKL's, oneDNN's), for Inductor
             step = _compiled_decode_steps[model] = _torch_compiled_step()
     return step
 
@@ -330,6 +330,17 @@ def _torch_compiled_step():
 
 PACKAGE_DECODE_STEPS = True  # False: every compiled step through torch.compile (tests of Dynamo's own paths)
 PACKAGE_CACHE_BYTES = 8 << 30  # the packages kept (least recently used dropped first); each holds its weights
+# One package serves 1 to PACKAGE_ROWS rows (the rows dynamic), the decode and batch regimes in which a FastLinear
+# takes the same path (quantize.regime_of); a step of more rows gets a package for its own row count.
+PACKAGE_ROWS = 32
+# The weights a package holds stay beside the package's code, not inside its shared library: a loaded .so
+# maps the whole file, which added the weights' bytes again to the process's resident memory.
+PACKAGE_OPTIONS = {"aot_inductor.package_constants_in_so": False,
+                   "aot_inductor.package_constants_on_disk_format": "binary_blob"}
+# Building a package (export, Inductor packing every weight its own way, autotuning, writing the file and
+# loading it) peaked at ~6.2x the plain float32 and bf16 linear weights' bytes above the loaded model: 19 GB
+# for gpt2-xl in bf16, on a machine of 24 GB (BENCHMARKS.md). Where that is not available, nothing is built.
+PACKAGE_BUILD_BYTES_PER_WEIGHT_BYTE = 6.5
 
 
 class _StepModule(torch.nn.Module):
@@ -344,45 +355,52 @@ class _StepModule(torch.nn.Module):
 
 
 class PackagedDecodeStep:
-    """decode_step compiled ahead of time (AOTInductor), one package file per model, machine and batch size.
+    """decode_step compiled ahead of time (AOTInductor), one package file per model and machine.
 
     torch.compile builds its graph again in every process: 30-60 s for a bf16 GPT-2 124M on 2 cores,
     as its oneDNN-packed constants keep Inductor's graph cache from storing it. Here the step is
     exported with the attended length and the cache's capacity dynamic, compiled with the same options
     (compile_options: freezing, autotuned GEMMs) into a .pt2 package holding the code and its frozen
     weights, and loaded in 2-3 s by any later process: under $XDG_CACHE_HOME/gpt2/compiled, keyed by
-    the weights (weights_digest), the machine (kernels.machine_key), the batch rows, the inputs' dtypes,
-    the compile options and this package's code. It runs as a C++ function: no guards, no Python
-    wrapper. A corrupt package is compiled again; where export or AOTInductor fails, checked_compiled_step
-    falls back to torch.compile. The cache keeps PACKAGE_CACHE_BYTES.
+    the weights (weights_digest), the machine (kernels.machine_key), the inputs' dtypes, the compile
+    options and this package's code. The batch's rows are dynamic too, up to PACKAGE_ROWS: one package
+    serves generate and every row count of the scheduler. It runs as a C++ function: no guards, no Python
+    wrapper. A corrupt package is compiled again; where export or AOTInductor fails, or building would
+    not fit in memory, checked_compiled_step falls back to torch.compile. The cache keeps
+    PACKAGE_CACHE_BYTES.
+
+    The plain weights export reads (add_compile_weights) are kept only while a package builds: the package
+    holds its own, and the model's eager paths read their packed copies (gpt2-xl in bf16: 3.1 GB).
     """
 
     def __init__(self):
-        self.runners: dict[tuple, object] = {}  # (rows, cache dtype) -> the loaded package
+        self.runners: dict[tuple, object] = {}  # (package_rows, cache dtype) -> the loaded package
 
     @staticmethod
     def applies(model) -> bool:
         """A model whose every linear is packed for inference (FastLinear), on a CPU, whose compiled paths
-        read plain tensors only: not int8's u8s8 engines (TorchScript objects, named in the graph by a
-        handle that holds in this process only), and not a format left without its plain weight."""
+        read tensors only: not int8's u8s8 engines (TorchScript objects, named in the graph by a handle
+        that holds in this process only)."""
         from gpt2.quantize import FastLinear, _Packed, linear_layers
         layers = [layer for _, _, layer, _ in linear_layers(model)]
         if model.transformer.wte.weight.device.type != "cpu" or not all(isinstance(x, FastLinear) for x in layers):
             return False
-        for layer in layers:
-            if any(isinstance(t, _Packed) and not isinstance(t.obj, torch.Tensor) for t in layer.tensors.values()):
-                return False
-            if layer.format.compile_weight is not None and "weight" not in layer.tensors:
-                return False
-        return True
+        return not any(isinstance(t, _Packed) and not isinstance(t.obj, torch.Tensor)
+                       for layer in layers for t in layer.tensors.values())
 
     def __call__(self, model, ids, positions, slot, keys, cache) -> torch.Tensor:
         # keys is a view of the (B, capacity) mask: a copy, so that no stride ties its length to the capacity
         inputs = (ids, positions, slot, keys.clone(memory_format=torch.contiguous_format), list(cache.k), list(cache.v))
-        runner = self.runners.get((ids.size(0), cache.k[0].dtype))
+        key = (package_rows(ids.size(0)), cache.k[0].dtype)
+        runner = self.runners.get(key)
         if runner is None:
-            runner = self.runners[(ids.size(0), cache.k[0].dtype)] = _load_or_build_package(model, inputs)
+            runner = self.runners[key] = _load_or_build_package(model, inputs)
         return runner(*inputs)  # (B, V)
+
+
+def package_rows(rows: int) -> int | None:
+    """The rows a package is built for: None for the one with 1 to PACKAGE_ROWS rows, else that many."""
+    return None if rows <= PACKAGE_ROWS else rows
 
 
 def package_directory() -> Path:
@@ -396,9 +414,9 @@ def package_path(model, inputs) -> Path:
     from gpt2.kernels import machine_key
     ids, positions, slot, keys, k, v = inputs
     described = {"weights": weights_digest(model), "machine": machine_key(), "code": _code_digest(),
-                 "options": compile_options("cpu"), "layers": len(k),
-                 "inputs": [(str(t.dtype), t.size(0)) for t in (ids, positions, slot, keys)]
-                 + [(str(t.dtype), t.size(0), t.size(1), t.size(3)) for t in (k[0], v[0])]}
+                 "options": {**compile_options("cpu"), **PACKAGE_OPTIONS}, "layers": len(k),
+                 "rows": package_rows(ids.size(0)), "inputs": [str(t.dtype) for t in (ids, positions, slot, keys)]
+                 + [(str(t.dtype), t.size(1), t.size(3)) for t in (k[0], v[0])]}
     key = hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:32]
     return package_directory() / f"decode-{key}.pt2"
 
@@ -424,26 +442,49 @@ def _load_or_build_package(model, inputs):
         except Exception as error:  # a truncated or corrupt file: compile it again
             log.warning("compiled decode step %s does not load (%s): compiling it again", path, error)
             path.unlink(missing_ok=True)
+    from gpt2.quantize import (add_compile_weights, available_memory_bytes, compiled_weight_bytes, drop_compile_weights,
+                               return_freed_memory)
+    needed, available = PACKAGE_BUILD_BYTES_PER_WEIGHT_BYTE * compiled_weight_bytes(model), available_memory_bytes()
+    if needed > available:
+        raise MemoryError(f"building it needs ~{needed / 1e9:.1f} GB, {available / 1e9:.1f} GB available")
     start = time.perf_counter()
-    ids, positions, slot, keys, k, v = inputs
-    log.info("compiling the decode step for %d rows into %s (once per model, machine and batch size)",
-             ids.size(0), path)
-    length = torch.export.Dim("length", min=2, max=1 << 16)  # the keys attended to: slot + 1
-    capacity = torch.export.Dim("capacity", min=3, max=1 << 16)  # the cache's slots
-    dynamic = (None, None, None, {1: length}, [{2: capacity}] * len(k), [{2: capacity}] * len(v))
+    add_compile_weights(model)  # the plain weights export reads, for Inductor to pack; let go once it has
+    rows = package_rows(inputs[0].size(0))
+    log.info("compiling the decode step for %s rows into %s (once per model and machine)",
+             f"1 to {PACKAGE_ROWS}" if rows is None else rows, path)
     with _opaque_buffers_hidden(model):
-        program = torch.export.export(_StepModule(model), inputs, dynamic_shapes=dynamic, strict=False)
+        program = _export_step(model, inputs, rows)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".partial-{os.getpid()}-{path.name}")  # .pt2 at the end, as AOTInductor requires
     try:
         torch._inductor.aoti_compile_and_package(program, package_path=str(partial),
-                                                 inductor_configs=compile_options("cpu"))
+                                                 inductor_configs={**compile_options("cpu"), **PACKAGE_OPTIONS})
         os.replace(partial, path)  # atomic: a reader sees the whole package or none
     finally:
         partial.unlink(missing_ok=True)
+        del program
+        drop_compile_weights(model)
+        return_freed_memory()  # the build's garbage, before the package's weights are read in
     _drop_least_recently_used(path.parent, keep=path)
     log.info("compiled the decode step in %.1f s", time.perf_counter() - start)
     return torch._inductor.aoti_load_package(str(path))
+
+
+def _export_step(model, inputs, rows: int | None):
+    """torch.export of decode_step on inputs, the attended length and the cache's capacity dynamic, and the
+    batch's rows too where rows is None (1 to PACKAGE_ROWS). Export takes a dynamic size from an example
+    of at least 2, so a 1-row call is exported on its rows twice over."""
+    ids, positions, slot, keys, k, v = inputs
+    if rows is None and ids.size(0) == 1:
+        ids, positions, keys = ids.repeat(2, 1), positions.repeat(2, 1), keys.repeat(2, 1)
+        k, v = [t.repeat(2, 1, 1, 1) for t in k], [t.repeat(2, 1, 1, 1) for t in v]
+    batch = {} if rows is not None else {0: torch.export.Dim("rows", min=1, max=PACKAGE_ROWS)}
+    length = torch.export.Dim("length", min=2, max=1 << 16)  # the keys attended to: slot + 1
+    capacity = torch.export.Dim("capacity", min=3, max=1 << 16)  # the cache's slots
+    cache = [{**batch, 2: capacity}] * len(k)
+    dynamic = (batch or None, batch or None, None, {**batch, 1: length}, cache, cache)
+    return torch.export.export(_StepModule(model), (ids, positions, slot, keys, k, v), dynamic_shapes=dynamic,
+                               strict=False)
 
 
 @contextlib.contextmanager
@@ -518,28 +559,32 @@ def weights_digest(model) -> str:
 
     A oneDNN-packed weight is hashed in its plain layout. Packed engine objects (int8's u8s8 weights)
     are not tensors: they are made from the q and scales buffers beside them, which are hashed. MKL's
-    packed weight is not hashed (WeightFormat.unset_padding: two packs of one weight differ in bytes);
-    a compiled step reads its plain copy (add_compile_weights), which is, and a graph holding MKL's
-    packed tensor instead (memory short) is neither packaged nor stored by Inductor's cache.
-    hashlib lets go of the GIL, so tensors are hashed on every core: 124M in 0.2-0.3 s on 2 cores.
+    packed bytes are not (WeightFormat.unset_padding: two packs of one weight differ in bytes): the
+    weight MKL's GEMM reads back is. The plain copies add_compile_weights gives a compiled step are
+    left out: they are read back from the packed weights, which are hashed, and come and go (a loaded
+    package lets them go), while the digest must not. hashlib lets go of the GIL, so tensors are hashed
+    on every core: 124M in 0.2-0.3 s on 2 cores (float32: +0.4 s, reading MKL's weights back).
     """
     digest = _weights_digests.get(model)
     if digest is None:
         from gpt2.quantize import FastLinear
         tensors = dict(model.named_parameters(remove_duplicate=False))
         tensors.update(model.named_buffers(remove_duplicate=False))
-        unset_padding = {id(layer.tensors[name]) for layer in model.modules() if isinstance(layer, FastLinear)
-                         for name in layer.format.unset_padding}
+        layers = [layer for layer in model.modules() if isinstance(layer, FastLinear)]
+        plain_copies = {id(layer.tensors["weight"]) for layer in layers
+                        if layer.format.compile_weight is not None and "weight" in layer.tensors}
+        read_back = {id(layer.tensors[name]): layer for layer in layers for name in layer.format.unset_padding}
 
         def describe(item) -> str:
             name, t = item
-            if id(t) in unset_padding:
-                return f"{name}:{tuple(t.shape)};"
+            if id(t) in read_back:
+                layer = read_back[id(t)]
+                t = layer.format.compile_weight(layer.kernel_args)
             t = (t.to_dense() if t.is_mkldnn else t).detach().cpu().contiguous()
             data = t.view(-1).view(torch.uint8).numpy().data if t.numel() else b""
             return f"{name}:{t.dtype}:{tuple(t.shape)}:{hashlib.sha256(data).hexdigest()};"
 
-        items = sorted((name, t) for name, t in tensors.items() if t is not None)
+        items = sorted((name, t) for name, t in tensors.items() if t is not None and id(t) not in plain_copies)
         with ThreadPoolExecutor(os.cpu_count()) as pool:
             described = "".join(pool.map(describe, items))
         digest = _weights_digests[model] = hashlib.sha256(described.encode()).hexdigest()
@@ -585,6 +630,8 @@ def checked_compiled_step(model, args) -> torch.Tensor:
         except Exception as error:  # export or AOTInductor failed on some format: torch.compile's graph instead
             log.warning("could not package the compiled decode step (%s: %s): compiling it with torch.compile",
                         type(error).__name__, error)
+            from gpt2.quantize import add_compile_weights
+            add_compile_weights(model)  # the plain weights its graph reads, for Inductor to pack
             _compiled_decode_steps[model] = _torch_compiled_step()
     keys, cache = args[4], args[5]
     torch._dynamo.mark_dynamic(keys, 1)

@@ -860,10 +860,11 @@ def apply_plan(model: nn.Module, plan) -> nn.Module:
     return model.eval()
 
 
-# Compiling a float32 decode step (freezing, Inductor packing every weight its own way, autotuning) took
-# about 3.5x the float32 linear weights' bytes beside the loaded model: 1.8 GB for GPT-2 124M's 0.5 GB,
-# and gpt2-xl was killed at 24 GB (BENCHMARKS.md).
-COMPILE_BYTES_PER_FLOAT32_BYTE = 3.5
+# Compiling a decode step through torch.compile (freezing, Inductor packing every weight its own way,
+# autotuning) took about 3.5x the float32 linear weights' bytes beside the loaded model (1.8 GB for GPT-2
+# 124M's 0.5 GB; gpt2-xl was killed at 24 GB), and 3.8x the bf16 ones (12 GB for gpt2-xl's 3.1 GB)
+# (BENCHMARKS.md). A packaged step needs more (engine.PACKAGE_BUILD_BYTES_PER_WEIGHT_BYTE).
+COMPILE_BYTES_PER_WEIGHT_BYTE = 4.0
 
 
 def available_memory_bytes() -> float:
@@ -884,18 +885,16 @@ def add_compile_weights(model: nn.Module) -> None:
     does not keep (WeightFormat.compile_weight) gets it back, a float32 model's tied lm_head wte's own
     table. Eager, a model holds each such weight once (MKL's or oneDNN's packing); compiled, twice, as
     Inductor packs its own from the plain one. Where compiling with them would not fit in the memory
-    available (COMPILE_BYTES_PER_FLOAT32_BYTE), they are left out: those layers compile as their own
+    available (COMPILE_BYTES_PER_WEIGHT_BYTE), they are left out: those layers compile as their own
     kernels (mkl_linear_op, oneDNN's op), nothing for Inductor to pack, ~10% slower at 1 row and ~20%
-    at 8 for MKL's (GPT-2 124M), and the step is not packaged (engine.PackagedDecodeStep)."""
+    at 8 for MKL's (GPT-2 124M). A packaged step (engine.PackagedDecodeStep) checks its own, larger need."""
     packed = [(attr, layer) for _, attr, layer, _ in linear_layers(model) if isinstance(layer, FastLinear)]
     layers = [(attr, layer) for attr, layer in packed if layer.format.compile_weight is not None]
     if not layers:
         return
-    float32_bytes = sum(4 * layer.out_features * layer.in_features for _, layer in packed
-                        if layer.format.precision == "float32")
-    needed, available = COMPILE_BYTES_PER_FLOAT32_BYTE * float32_bytes, available_memory_bytes()
+    needed, available = COMPILE_BYTES_PER_WEIGHT_BYTE * compiled_weight_bytes(model), available_memory_bytes()
     if needed > available:
-        log.warning("compiling with Inductor's own float32 weights needs ~%.1f GB, %.1f GB available: %d layers "
+        log.warning("compiling with Inductor's own weights needs ~%.1f GB, %.1f GB available: %d layers "
                     "compile as MKL's GEMM or oneDNN's instead", needed / 1e9, available / 1e9, len(layers))
         return
     table = model.transformer.wte.weight
@@ -904,6 +903,23 @@ def add_compile_weights(model: nn.Module) -> None:
                                                                                        layer.in_features)
         layer.keep_plain_weight(table if tied else None)
     return_freed_memory()
+
+
+def drop_compile_weights(model: nn.Module) -> None:
+    """Undo add_compile_weights: the plain weights let go, once nothing left to compile reads them (a loaded
+    package holds its own). The eager paths never read them."""
+    for _, _, layer, _ in linear_layers(model):
+        if isinstance(layer, FastLinear) and layer.format.compile_weight is not None and "weight" in layer.tensors:
+            del layer.tensors["weight"], layer._buffers["weight"]
+            layer._gather_kernel_args()
+    return_freed_memory()
+
+
+def compiled_weight_bytes(model: nn.Module) -> int:
+    """The bytes of the float32 and bf16 linear weights, which a compiled step's Inductor packs its own way."""
+    return sum(layer.out_features * layer.in_features * (4 if layer.format.precision == "float32" else 2)
+               for _, _, layer, _ in linear_layers(model)
+               if isinstance(layer, FastLinear) and layer.format.precision in ("float32", "bfloat16"))
 
 
 @torch.no_grad()
