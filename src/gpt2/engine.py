@@ -563,17 +563,18 @@ def weights_digest(model) -> str:
     weight MKL's GEMM reads back is. The plain copies add_compile_weights gives a compiled step are
     left out: they are read back from the packed weights, which are hashed, and come and go (a loaded
     package lets them go), while the digest must not. hashlib lets go of the GIL, so tensors are hashed
-    on every core: 124M in 0.2-0.3 s on 2 cores (float32: +0.4 s, reading MKL's weights back).
+    on every core: 124M in 0.2-0.3 s on 2 cores (float32 ~1 s, reading MKL's weights back).
     """
     digest = _weights_digests.get(model)
     if digest is None:
         from gpt2.quantize import FastLinear
         tensors = dict(model.named_parameters(remove_duplicate=False))
         tensors.update(model.named_buffers(remove_duplicate=False))
-        layers = [layer for layer in model.modules() if isinstance(layer, FastLinear)]
-        plain_copies = {id(layer.tensors["weight"]) for layer in layers
+        layers = {name: layer for name, layer in model.named_modules() if isinstance(layer, FastLinear)}
+        # by name: a float32 lm_head's plain copy is wte's own table, which is hashed as wte
+        plain_copies = {f"{name}.weight" for name, layer in layers.items()
                         if layer.format.compile_weight is not None and "weight" in layer.tensors}
-        read_back = {id(layer.tensors[name]): layer for layer in layers for name in layer.format.unset_padding}
+        read_back = {id(layer.tensors[key]): layer for layer in layers.values() for key in layer.format.unset_padding}
 
         def describe(item) -> str:
             name, t = item
@@ -584,7 +585,7 @@ def weights_digest(model) -> str:
             data = t.view(-1).view(torch.uint8).numpy().data if t.numel() else b""
             return f"{name}:{t.dtype}:{tuple(t.shape)}:{hashlib.sha256(data).hexdigest()};"
 
-        items = sorted((name, t) for name, t in tensors.items() if t is not None and id(t) not in plain_copies)
+        items = sorted((name, t) for name, t in tensors.items() if t is not None and name not in plain_copies)
         with ThreadPoolExecutor(os.cpu_count()) as pool:
             described = "".join(pool.map(describe, items))
         digest = _weights_digests[model] = hashlib.sha256(described.encode()).hexdigest()
