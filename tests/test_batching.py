@@ -199,26 +199,36 @@ def test_compiled_decode_steps_draw_what_eager_generate_draws(model, monkeypatch
 def test_packaged_decode_steps_in_the_scheduler_draw_what_eager_generate_draws(model, tmp_path, monkeypatch):
     """A model packed for inference (bf16) under Scheduler(compile=True): every row count's step is one
     package (engine.PackagedDecodeStep), run over views of the storage's first rows, which it writes in
-    place. Greedy sequences, one joining mid-flight, get engine.generate's eager tokens."""
+    place, as many rows as sequences decode (no padding to a power of two). Greedy sequences, two
+    joining mid-flight, get engine.generate's eager tokens."""
     import copy
 
     from gpt2 import engine, kernels
     from gpt2.quantize import apply_plan
     monkeypatch.setattr(engine, "package_directory", lambda: tmp_path)
+    rows = []  # the row count of every packaged step
+    real = engine.PackagedDecodeStep.__call__
+    monkeypatch.setattr(engine.PackagedDecodeStep, "__call__", lambda self, m, ids, *a: rows.append(ids.size(0))
+                        or real(self, m, ids, *a))
     packed = apply_plan(copy.deepcopy(model), kernels.plan_for(model, "bfloat16"))
-    sched = Scheduler(packed, max_batch=2, max_queue=4, initial_capacity=16, prefix_cache=False, compile=True)
+    sched = Scheduler(packed, max_batch=4, max_queue=4, initial_capacity=16, prefix_cache=False, compile=True)
     out, entries = {}, {}
     seqs = {"first": Continuation(prompt=random_prompt(5, 50), max_new_tokens=24, emit=None),
-            "second": Continuation(prompt=random_prompt(13, 51), max_new_tokens=12, emit=None)}
+            "second": Continuation(prompt=random_prompt(13, 51), max_new_tokens=12, emit=None),
+            "third": Continuation(prompt=random_prompt(7, 52), max_new_tokens=10, emit=None)}
 
     def then(ev):
         if ev[0] == "token" and len(out["first"]) == 3:
             sched.submit([seqs["second"]])
+        if ev[0] == "token" and len(out["first"]) == 6:
+            sched.submit([seqs["third"]])
     seqs["first"].emit = recording(out, entries, "first", then)
     seqs["second"].emit = recording(out, entries, "second")
+    seqs["third"].emit = recording(out, entries, "third")
     run(sched, list(seqs.values()), first=[seqs["first"]])
     assert isinstance(engine._compiled_decode_steps[packed], engine.PackagedDecodeStep)
-    assert len(list(tmp_path.glob("decode-*.pt2"))) == 1  # 1 row and 2: one package (engine.PACKAGE_ROWS)
+    assert len(list(tmp_path.glob("decode-*.pt2"))) == 1  # 1 to 4 rows: one package (engine.PACKAGE_ROWS)
+    assert 3 in rows  # three sequences decoding: three rows, not four
     for name, seq in seqs.items():
         assert out[name] == reference(packed, seq), name
 

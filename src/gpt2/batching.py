@@ -53,8 +53,8 @@ from types import SimpleNamespace
 import torch
 
 from gpt2.config import GPT2_EOT
-from gpt2.engine import (DraftLength, Speculation, SpeculationStats, checked_compiled_step, draft_costs, draft_fits,
-                         resolve_draft, unchecked_compiled_step)
+from gpt2.engine import (DraftLength, Speculation, SpeculationStats, checked_compiled_step, compiled_step_rows,
+                         draft_costs, draft_fits, resolve_draft, unchecked_compiled_step)
 from gpt2.errors import ContextLengthError, GPT2Error, KVLimitExceeded
 from gpt2.kv_cache import BatchKV, KVCache
 from gpt2.sampling import SamplingConfig, SamplingState, accept_drafts, make_generators, next_tokens
@@ -467,12 +467,12 @@ class Scheduler:
 
     def _compiled_step(self, kv: BatchKV, ids: torch.Tensor) -> torch.Tensor:
         """Logits (B, V) of ids (B, 1) through the engine's compiled decode step (engine.decode_step), run
-        over the storage's first R rows, R the power of two from B up (at most the rows allocated): each R
-        takes a graph of its own (1, 2, 4, ... max_batch), so rows joining and leaving rarely compile
-        again. Rows no sequence holds feed token 0, attend to their own slot only, and their logits are
-        dropped."""
+        over the storage's first R rows (engine.compiled_step_rows): B for a package, which takes any row
+        count; for torch.compile the power of two from B up (at most the rows allocated), each R a graph
+        of its own (1, 2, 4, ... max_batch), so rows joining and leaving rarely compile again. Rows no
+        sequence holds feed token 0, attend to their own slot only, and their logits are dropped."""
         B = ids.size(0)
-        R, P = min(kv.row_capacity, 1 << (B - 1).bit_length()), kv.pos
+        R, P = compiled_step_rows(self.model, B, kv.row_capacity), kv.pos
         keys = kv.mask[:R, :P + 1].bool()  # (R, P + 1): what each row attends to, column P its new token
         keys[B:] = False
         keys[B:, P] = True
