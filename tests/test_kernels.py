@@ -1005,6 +1005,29 @@ def test_a_deep_copy_of_a_packed_model_decodes_without_the_original():
     assert generate(twin, PROMPTS, max_new_tokens=6, compile=True) == expected
 
 
+@pytest.mark.parametrize("precision, fmt", [("float32", "onednn"), ("float32", "onednn b8"), ("float32", "mkl"),
+                                           ("bfloat16", "onednn")])
+def test_a_deep_copy_of_a_model_with_opaque_packed_weights_computes_the_same_alone(precision, fmt):
+    """oneDNN's and MKL's packed weights have the mkldnn layout, without a storage for copy.deepcopy to
+    copy (it raised "Cannot access storage of OpaqueTensorImpl"): a copy clones them. It shares no
+    buffer with the original and computes the same logits after the original is gone."""
+    import copy
+    import gc
+    if not any(f.name == fmt for f in formats_for(precision)):
+        pytest.skip(f"no {precision} {fmt} format on this machine")
+    model = apply_plan(tiny_model(), forced_plan(format_named(precision, fmt), fmt if fmt != "onednn b8" else "onednn"))
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        expected = model(ids)
+    twin = copy.deepcopy(model)
+    originals = {id(t) for t in model.buffers()}
+    assert not any(id(t) in originals for t in twin.buffers())
+    del model
+    gc.collect()
+    with torch.no_grad():
+        assert torch.equal(twin(ids), expected)
+
+
 def compiled_and_eager_logits(model, ids: torch.Tensor, prompt_length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits (T - P, V) of each decode step over ids (1, T) after a prompt of P of them, teacher-forced:
     the same ids into the compiled step (engine.StaticDecode) and into the eager model."""

@@ -776,6 +776,18 @@ class FastLinear(nn.Module):
         super().__setstate__(state)
         self._gather_kernel_args()
 
+    def __deepcopy__(self, memo):
+        # oneDNN's and MKL's packed weights (mkldnn layout) have no storage for deepcopy to copy (and a clone
+        # of MKL's is not MKL's packing): each is packed again from the weight it reads back, exactly
+        opaque = {name: t for name, t in self.tensors.items() if isinstance(t, torch.Tensor) and t.is_mkldnn}
+        if opaque:
+            repacked = self.format.pack(self.format.compile_weight(self.kernel_args), None)
+            for name, t in opaque.items():
+                memo.setdefault(id(t), repacked[name])
+        copied = memo[id(self)] = self.__class__.__new__(self.__class__)
+        copied.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return copied
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).contiguous()  # (M, K); kernels need contiguous rows; the path casts
         if self.centers_logits:
