@@ -452,8 +452,7 @@ def _load_or_build_package(model, inputs):
         except Exception as error:  # a truncated or corrupt file: compile it again
             log.warning("compiled decode step %s does not load (%s): compiling it again", path, error)
             path.unlink(missing_ok=True)
-    from gpt2.quantize import (add_compile_weights, available_memory_bytes, compiled_weight_bytes, drop_compile_weights,
-                               return_freed_memory)
+    from gpt2.quantize import add_compile_weights, available_memory_bytes, compiled_weight_bytes, drop_compile_weights
     needed, available = PACKAGE_BUILD_BYTES_PER_WEIGHT_BYTE * compiled_weight_bytes(model), available_memory_bytes()
     if needed > available:
         raise MemoryError(f"building it needs ~{needed / 1e9:.1f} GB, {available / 1e9:.1f} GB available")
@@ -473,8 +472,7 @@ def _load_or_build_package(model, inputs):
     finally:
         partial.unlink(missing_ok=True)
         del program
-        drop_compile_weights(model)
-        return_freed_memory()  # the build's garbage, before the package's weights are read in
+        drop_compile_weights(model)  # and the build's garbage handed back, before the package's weights are read in
     _drop_least_recently_used(path.parent, keep=path)
     log.info("compiled the decode step in %.1f s", time.perf_counter() - start)
     return torch._inductor.aoti_load_package(str(path))

@@ -929,7 +929,7 @@ def drop_compile_weights(model: nn.Module) -> None:
 
 def compiled_weight_bytes(model: nn.Module) -> int:
     """The bytes of the float32 and bf16 linear weights, which a compiled step's Inductor packs its own way."""
-    return sum(layer.out_features * layer.in_features * (4 if layer.format.precision == "float32" else 2)
+    return sum(layer.out_features * layer.in_features * kernel_dtype(layer.format.precision).itemsize
                for _, _, layer, _ in linear_layers(model)
                if isinstance(layer, FastLinear) and layer.format.precision in ("float32", "bfloat16"))
 
