@@ -33,7 +33,8 @@ RSS counts the pages it touched); Transformers: GPT2LMHeadModel.from_pretrained.
 --quality RUN: a trained model (the quickstart `make demo` trains), its perplexity on the val split at
 each precision, ours and llama.cpp's (logits_all=True over the same tokens, on GGUFs of the same
 model), the increase over float32, the mean KL divergence from that tool's float32 predictions (each
-worker computes both, in one process), and top-1 agreement with that tool's float32.
+worker computes both, in one process), and top-1 agreement with that tool's float32. With --compile,
+ours also through the compiled decode step, one token a step, against the same float32 predictions.
 
 llama.cpp comes from llama-cpp-python, built from source in the benchmark venv `.bench-venv` (make
 bench-cpu makes it); GGUFs are written by our own exporter (`gpt2 convert`), Q4_0 by
@@ -209,10 +210,11 @@ def quality_ours(args) -> dict:
     import numpy as np
     import torch
 
+    from gpt2.engine import StaticDecode
     from gpt2.kv_cache import KVCache
     from gpt2.quantize import load_for_inference
 
-    def logprobs_of(precision: str):
+    def logprobs_of(precision: str, compiled: bool = False):
         model = load_for_inference(args.model_dir, precision, "cpu")
 
         @torch.inference_mode()
@@ -220,12 +222,18 @@ def quality_ours(args) -> dict:
             x = torch.from_numpy(ids).view(1, -1)
             # A prefill into the KV cache generation uses (its dtype as kv_dtype "auto" chooses), as
             # llama.cpp's logits come from its own cache.
-            logits = model(x, cache=KVCache.for_model(model, 1, x.size(1)))
-            return torch.log_softmax(logits[0].double(), dim=-1).numpy()  # (T, V)
+            cache = KVCache.for_model(model, 1, x.size(1))
+            if not compiled:
+                logits = model(x, cache=cache)[0]
+            else:  # the first token's logits from a 1-token prefill, then each next one through the compiled step
+                step = StaticDecode(model, [ids[:1].tolist()], torch.ones(1, x.size(1)), x.size(1))
+                logits = torch.cat([model(x[:, :1], cache=cache)[0]]
+                                   + [step(x[0, t:t + 1], cache) for t in range(1, x.size(1))])
+            return torch.log_softmax(logits.double(), dim=-1).numpy()  # (T, V)
         return logprobs
 
-    reference = logprobs_of("float32") if args.precision != "float32" else None
-    return quality_summary(np.load(args.windows), logprobs_of(args.precision), reference)
+    reference = logprobs_of("float32") if args.precision != "float32" or args.compile else None
+    return quality_summary(np.load(args.windows), logprobs_of(args.precision, args.compile), reference)
 
 
 def quality_llama(args) -> dict:
@@ -463,17 +471,22 @@ def quality(args, model_dir: Path, gguf_dir: Path) -> None:
           "llama.cpp ppl | llama.cpp Δ vs F32 | llama.cpp KL vs F32 | llama.cpp top-1 vs F32 |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     ours = {p: run_worker("quality-ours", args, precision=p, model_dir=model_dir, windows=path) for p in args.precisions}
+    compiled = {p: run_worker("quality-ours", args, precision=p, model_dir=model_dir, windows=path, compile=True)
+                for p in args.precisions if args.compile}
     f32 = make_gguf(model_dir, "float32", gguf_dir)
     peers = {p: run_worker("quality-llama", args, gguf=make_gguf(model_dir, p, gguf_dir), windows=path,
                            **({"reference_gguf": f32} if p != "float32" else {}))
              for p in args.precisions}
+    agree = lambda a, b: np.mean(np.asarray(a["argmax"]) == np.asarray(b["argmax"]))
     for p in args.precisions:
         o, l = ours[p], peers[p]
-        agree = lambda a, b: np.mean(np.asarray(a["argmax"]) == np.asarray(b["argmax"]))
         print(f"| {p} | {np.exp(o['nll']):.3f} | {np.exp(o['nll']) - np.exp(ours['float32']['nll']):+.3f} | "
               f"{o['kl']:.6f} | {agree(o, ours['float32']):.2%} | {LLAMA[p]} | {np.exp(l['nll']):.3f} | "
               f"{np.exp(l['nll']) - np.exp(peers['float32']['nll']):+.3f} | {l['kl']:.6f} | "
               f"{agree(l, peers['float32']):.2%} |")
+    for p, o in compiled.items():  # the compiled decode step's predictions, against the same float32 as above
+        print(f"| {p} compiled | {np.exp(o['nll']):.3f} | {np.exp(o['nll']) - np.exp(ours['float32']['nll']):+.3f} | "
+              f"{o['kl']:.6f} | {agree(o, ours['float32']):.2%} | | | | | |")
 
 
 def main():

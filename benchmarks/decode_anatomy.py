@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from gpt2.kernels import WEIGHT_BYTES  # bytes a decode call reads per weight, at each precision
-from gpt2.quantize import PRECISIONS, layer_precision, linear_layers, load_for_inference
+from gpt2.quantize import OFFSET_COLUMNS, PRECISIONS, layer_precision, linear_layers, load_for_inference
 
 from bench_cpu_inference import export_model, machine_report, time_decode
 
@@ -60,7 +60,9 @@ def anatomy(model_dir: str, precision: str, steps: int, repeats: int) -> dict:
         runs.append(spent[0] / steps * 1e3)  # the prefill (16 rows) calls the batch paths, not these
     result["linears"] = min(runs)
 
-    rows = [torch.randn(1, layer.in_features) for layer, _ in layers]
+    # a path reads K columns, and a centering lm_head's its extra ones (quantize.OFFSET_COLUMNS)
+    widths = [layer.in_features + (OFFSET_COLUMNS if layer.centers_logits else 0) for layer, _ in layers]
+    rows = [torch.randn(1, width) for width in widths]
     with torch.inference_mode():
         def all_alone():
             for (layer, _), path, x in zip(layers, decode, rows):
@@ -68,8 +70,8 @@ def anatomy(model_dir: str, precision: str, steps: int, repeats: int) -> dict:
         all_alone()
         result["alone"] = min(_timed(all_alone, steps) for _ in range(repeats))
 
-        outputs = [path(torch.zeros(1, layer.in_features), layer.kernel_args, layer.bias, layer.activation)
-                   for (layer, _), path in zip(layers, decode)]
+        outputs = [path(torch.zeros(1, width), layer.kernel_args, layer.bias, layer.activation)
+                   for (layer, _), path, width in zip(layers, decode, widths)]
         for (layer, _), y in zip(layers, outputs):
             layer.paths["decode"] = lambda x, args, bias, activation, y=y: y
         result["no-op"] = best_ms(model, steps, repeats)

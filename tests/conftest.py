@@ -1,6 +1,6 @@
 """Shared fixtures: Transformers reference models at random init, the tiktoken reference tokenizer, our
 tokenizer, and the Shakespeare texts. pytest loads this file itself; test files import its plain helpers
-(`from conftest import TINY, make_hf_model, save_hf_model`).
+(`from conftest import TINY, make_hf_model, save_hf_model`, `assert_greedy_up_to_near_ties`).
 
 Tests marked `slow` (registered in pyproject.toml) are skipped by `pytest -m "not slow"`, the quick loop.
 """
@@ -50,6 +50,19 @@ def save_hf_model(directory, seed=0, **config):
     model = make_hf_model(seed=seed, **config)
     model.save_pretrained(directory)
     return model
+
+
+def assert_greedy_up_to_near_ties(model, prompts: list[list[int]], outputs: list[list[int]], tolerance: float):
+    """Each token of outputs (greedy continuations of prompts) is the eager model's argmax, teacher-forced
+    over prompt + output, or within tolerance of it (relative to the position's largest |logit|). For a
+    step that computes more exactly than eager (a compiled bf16 step reads its GEMMs' float32
+    accumulators), a near-tie may break the other way; anything else does not pass."""
+    with torch.inference_mode():
+        for prompt, output in zip(prompts, outputs):
+            logits = model(torch.tensor([prompt + output]))[0, len(prompt) - 1: -1].float()  # (n, V): each predicts output[i]
+            chosen = logits.gather(1, torch.tensor(output)[:, None])[:, 0]
+            gap = (logits.amax(1) - chosen) / logits.abs().amax(1)
+            assert gap.max().item() <= tolerance, (prompt, output, gap.tolist())
 
 
 @pytest.fixture

@@ -200,8 +200,11 @@ def test_packaged_decode_steps_in_the_scheduler_draw_what_eager_generate_draws(m
     """A model packed for inference (bf16) under Scheduler(compile=True): every row count's step is one
     package (engine.PackagedDecodeStep), run over views of the storage's first rows, which it writes in
     place, as many rows as sequences decode (no padding to a power of two). Greedy sequences, two
-    joining mid-flight, get engine.generate's eager tokens."""
+    joining mid-flight, get engine.generate's eager tokens, up to near-ties (its GEMMs' float32
+    accumulators may break one the other way: conftest.assert_greedy_up_to_near_ties)."""
     import copy
+
+    from conftest import assert_greedy_up_to_near_ties
 
     from gpt2 import engine, kernels
     from gpt2.quantize import apply_plan
@@ -230,7 +233,9 @@ def test_packaged_decode_steps_in_the_scheduler_draw_what_eager_generate_draws(m
     assert len(list(tmp_path.glob("decode-*.pt2"))) == 1  # 1 to 4 rows: one package (engine.PACKAGE_ROWS)
     assert 3 in rows  # three sequences decoding: three rows, not four
     for name, seq in seqs.items():
-        assert out[name] == reference(packed, seq), name
+        assert len(out[name]) == seq.max_new_tokens, name
+    assert_greedy_up_to_near_ties(packed, [seq.prompt for seq in seqs.values()], [out[name] for name in seqs],
+                                  2 * kernels.TOLERANCE["bfloat16"])
 
 
 def test_releasing_openmp_threads_keeps_parallel_results():

@@ -424,7 +424,7 @@ def package_path(model, inputs) -> Path:
     from gpt2.kernels import machine_key
     ids, positions, slot, keys, k, v = inputs
     described = {"weights": weights_digest(model), "machine": machine_key(), "code": _code_digest(),
-                 "options": {**compile_options("cpu"), **PACKAGE_OPTIONS}, "layers": len(k),
+                 "options": {**compile_options(model, "cpu"), **PACKAGE_OPTIONS}, "layers": len(k),
                  "rows": package_rows(ids.size(0)), "inputs": [str(t.dtype) for t in (ids, positions, slot, keys)]
                  + [(str(t.dtype), t.size(1), t.size(3)) for t in (k[0], v[0])]}
     key = hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:32]
@@ -466,8 +466,8 @@ def _load_or_build_package(model, inputs):
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".partial-{os.getpid()}-{path.name}")  # .pt2 at the end, as AOTInductor requires
     try:
-        torch._inductor.aoti_compile_and_package(program, package_path=str(partial),
-                                                 inductor_configs={**compile_options("cpu"), **PACKAGE_OPTIONS})
+        options = {**compile_options(model, "cpu"), **PACKAGE_OPTIONS}
+        torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=options)
         os.replace(partial, path)  # atomic: a reader sees the whole package or none
     finally:
         partial.unlink(missing_ok=True)
@@ -600,8 +600,8 @@ def weights_digest(model) -> str:
     return digest
 
 
-def compile_options(device_type: str) -> dict:
-    """The Inductor settings a compiled decode step is built under.
+def compile_options(model, device_type: str) -> dict:
+    """The Inductor settings model's compiled decode step is built under.
 
     freezing: the model's packed weights become constants of the graph, which Inductor's oneDNN
     lowering requires (quantize._onednn). On a CPU, also max_autotune_gemm: Inductor times each GEMM
@@ -612,11 +612,16 @@ def compile_options(device_type: str) -> dict:
     for GPT-2 124M on 2 cores. Only the CPP and ATen backends (Triton's are GPU kernels). On a GPU it
     stays off: autotuning Triton GEMMs takes minutes, and it has not been measured there.
 
-    emulate_precision_casts: a cast to bf16 and back rounds inside a fused kernel as it does eagerly.
-    Without it Inductor keeps the float32 value and drops the rounding, and int8's c_attn, which rounds
-    its q, k and v to bf16 (quantize.ROUNDS_KEYS_TO), decoded other tokens compiled than eager.
+    emulate_precision_casts, only where a layer rounds on purpose (FastLinear.rounds_to: int8's c_attn
+    rounds q, k and v to bf16, quantize.ROUNDS_KEYS_TO): a cast to bf16 and back then rounds inside a
+    fused kernel as it does eagerly; without it int8 decoded other tokens compiled than eager.
+    Elsewhere it is off, and a kernel fused after a bf16 GEMM reads the GEMM's float32 accumulator
+    instead of its bf16 output: the bf16 lm_head's logits and the residual adds come out unrounded,
+    which no eager CPU kernel here gives (bf16 GEMMs return bf16). On the quickstart model, compiled
+    bf16 decode went from a KL divergence from float32 of 0.0000245 to 0.0000102 (BENCHMARKS.md).
     """
-    options = {"freezing": True, "emulate_precision_casts": True}
+    rounds = any(getattr(layer, "rounds_to", None) is not None for layer in model.modules())
+    options = {"freezing": True, "emulate_precision_casts": rounds}
     if device_type == "cpu":
         options.update(max_autotune_gemm=True, max_autotune_gemm_backends="CPP,ATEN",
                        autotune_num_choices_displayed=0, max_autotune_report_choices_stats=False)
@@ -646,7 +651,7 @@ def checked_compiled_step(model, args) -> torch.Tensor:
     torch._dynamo.mark_dynamic(keys, 1)
     for layer_cache in list(cache.k) + list(cache.v):  # (B, nh, capacity, hs) each
         torch._dynamo.mark_dynamic(layer_cache, 2)
-    options = compile_options(keys.device.type)
+    options = compile_options(model, keys.device.type)
     options["post_grad_custom_post_pass"] = cache_key_pass(model)  # the cache key names weights and machine
     with _inductor_config().patch(options):
         return compiled_decode_step(model)(*args)

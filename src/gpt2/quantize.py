@@ -691,6 +691,8 @@ def regime_of(rows: int) -> str:
 # x w_j - c in float32 (-c an extra input column, against a column of ones in the weight), rounds that
 # to bf16, and c is added back in float32. On the quickstart model with an offset of -60 built in, the
 # KL divergence from float32 went from 0.0023 to 0.00004, and 0.00005 to 0.00003 without (BENCHMARKS.md).
+# A compiled step whose GEMM is Inductor's reads the float32 accumulator instead (engine.compile_options):
+# no rounding left, 0.00003 -> 0.000009.
 CENTERED_LOGITS = {"bfloat16"}
 OFFSET_SPREADS = 4.0
 OFFSET_DIRECTIONS = 8
@@ -802,12 +804,13 @@ class FastLinear(nn.Module):
     def _centered(self, x: torch.Tensor) -> torch.Tensor:
         """Float32 (M, N) logits x W^T + b, each row computed around its offset (CENTERED_LOGITS)."""
         offset = logit_offset(x.float(), self.offset_basis, self.offset_weights)  # (M,), an estimate
-        offset = offset.to(self.dtype).float()  # exact in the kernel's dtype: the value added back is the one taken
-        centered = x.new_zeros(x.size(0), self.in_features + OFFSET_COLUMNS)  # (M, K + OFFSET_COLUMNS)
+        centered = x.new_zeros(x.size(0), self.in_features + OFFSET_COLUMNS, dtype=self.dtype)  # (M, K + 32)
         centered[:, : self.in_features] = x
         centered[:, self.in_features] = offset.neg()
         y = self.paths[regime_of(x.size(0))](centered, self.kernel_args, self.bias, None)
-        return y.float() + offset[:, None]
+        # the offset added back is read from the kernel's input, as it took it: a compiled step keeps no
+        # rounding it can skip (engine.compile_options) and would add back the unrounded estimate
+        return y.float() - centered[:, self.in_features, None].float()
 
     def keep_plain_weight(self, weight: torch.Tensor | None = None) -> None:
         """Keep the plain (N, K) weight, read back from the packing unless given, for a compiled path that
