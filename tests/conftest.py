@@ -59,7 +59,8 @@ def assert_greedy_up_to_near_ties(model, prompts: list[list[int]], outputs: list
     accumulators), a near-tie may break the other way; anything else does not pass."""
     with torch.inference_mode():
         for prompt, output in zip(prompts, outputs):
-            logits = model(torch.tensor([prompt + output]))[0, len(prompt) - 1: -1].float()  # (n, V): each predicts output[i]
+            # (n, V): position len(prompt) - 1 + i predicts output[i]
+            logits = model(torch.tensor([prompt + output]))[0, len(prompt) - 1: -1].float()
             chosen = logits.gather(1, torch.tensor(output)[:, None])[:, 0]
             gap = (logits.amax(1) - chosen) / logits.abs().amax(1)
             assert gap.max().item() <= tolerance, (prompt, output, gap.tolist())

@@ -616,8 +616,8 @@ def compile_options(model, device_type: str) -> dict:
     rounds q, k and v to bf16, quantize.ROUNDS_KEYS_TO): a cast to bf16 and back then rounds inside a
     fused kernel as it does eagerly; without it int8 decoded other tokens compiled than eager.
     Elsewhere it is off, and a kernel fused after a bf16 GEMM reads the GEMM's float32 accumulator
-    instead of its bf16 output: the bf16 lm_head's logits and the residual adds come out unrounded,
-    which no eager CPU kernel here gives (bf16 GEMMs return bf16). On the quickstart model, compiled
+    instead of its bf16 output: the bf16 lm_head's logits (and any sum fused after a bf16 GEMM) come out
+    unrounded, which no eager CPU kernel here gives (bf16 GEMMs return bf16). On the quickstart model, compiled
     bf16 decode went from a KL divergence from float32 of 0.0000245 to 0.0000102 (BENCHMARKS.md).
     """
     rounds = any(getattr(layer, "rounds_to", None) is not None for layer in model.modules())
