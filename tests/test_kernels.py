@@ -252,6 +252,29 @@ def test_every_path_matches_its_reference(fmt, activation):
             assert excess <= 1e-6, f"{fmt.name}/{name} at {rows} rows: error exceeds the bound by {excess}"
 
 
+@pytest.mark.parametrize("fmt", [f for f in CPU_FORMATS if f.available() and f.precision == "int8"
+                                 and any(name.endswith("per row") for name in f.paths)], ids=lambda f: f.name)
+def test_int8_per_token_paths_quantize_each_row_by_its_own_range(fmt):
+    """A per-token u8s8 path quantizes each row of a many-row call by the row's own min and max: a row's
+    output does not depend on the rows beside it (a sequence's logits, on the batch it decodes in), and
+    is within half a step of its own range's 255 levels. Rows scaled to max |x| = 1 shared one range,
+    which the other rows set."""
+    torch.manual_seed(0)
+    N, K = 128, 64
+    w, b = torch.randn(N, K) * 0.1, torch.randn(N) * 0.1
+    tensors = {k: getattr(v, "obj", v) for k, v in fmt.pack(w, b).items()}
+    row = torch.randn(1, K) * 0.3 + 1.5  # all positive
+    beside = [torch.randn(7, K) * 0.3 + 1.5, torch.randn(7, K) - 1.5]  # the same kind; mostly negative
+    exact = row.double() @ dequantized("int8", w).t() + b.double()
+    bound = (row.max() - row.min()).item() / 2 / 255 * dequantized("int8", w).abs().sum(1)
+    for name in [name for name in fmt.paths if name.endswith("per row")]:
+        path = fmt.paths[name]
+        first, second = (path(torch.cat([row, rows]), tensors, b, None)[0] for rows in beside)
+        assert torch.equal(first, second), name
+        excess = ((first.double() - exact).abs() - 1.001 * bound).max().item()
+        assert excess <= 1e-5, f"{name}: error exceeds half a step of the row's range by {excess}"
+
+
 @pytest.mark.parametrize("path, dtype", [("dequant bf16", torch.bfloat16), ("dequant fp32", torch.float32)])
 def test_int4_dequantized_in_blocks_of_rows_equals_the_whole(monkeypatch, path, dtype):
     """int4pack's "dequant bf16" and "dequant fp32" make DEQUANT_BLOCK[dtype] weights per GEMM call (a

@@ -711,7 +711,7 @@ class Expected:
             # A sum of positive terms: float32 holds it to 1e-7 relative, far inside any tolerance, and
             # its GEMM is ~10x float64's.
             bound = self.tolerance * (xd.abs().float() @ self.reference_abs.t() + self.bias.abs().float()).double()
-            if dynamic:  # half a quantization step of each row's x (255 levels over [-max, max]), times sum |W|
+            if dynamic:  # half a step of each row's x (255 levels over at most [-max, max]), times sum |W|
                 bound = bound + xd.abs().amax(dim=1, keepdim=True) / 254 * self.reference_abs_sums
             if self.activation is not None:
                 exact = torch.nn.functional.gelu(exact, approximate="tanh")  # GELU's slope is within [-0.17, 1.13]
