@@ -201,9 +201,10 @@ def _int8_dynamic(x, t, bias, activation, packed="packed"):
 def _int8_dynamic_rows(x, t, bias, activation, packed="packed"):
     # Per-token quantization through the same per-call kernel, each row as a one-row call quantizes it:
     # every row is mapped onto [0, 1] by its own min and max, so the call's one scale (1/255, zero point
-    # 0) spans each row's own range, and y = span (x' W^T) + low rowsum(W). (Rows scaled to max |x| = 1
-    # instead shared a range of about [-1, 1]: 1.5-2x a row's own steps, and int8's KL divergence from
-    # float32 over a prefill was 1.2x a decode's.)
+    # 0) spans each row's own range, and y = span (x' W^T) + low rowsum(W); a row's output does not depend
+    # on the rows beside it. (Rows scaled to max |x| = 1 instead shared a range of about [-1, 1], 1.5-2x a
+    # positive row's own steps: with every layer on this path, the quickstart model's KL divergence from
+    # float32 over a prefill was 0.000247, now 0.000181.)
     if x.size(0) == 1:  # one row already has its own range
         return _int8_dynamic(x, t, bias, activation, packed)
     x = x.float()
