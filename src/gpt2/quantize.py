@@ -210,8 +210,8 @@ def _int8_dynamic_rows(x, t, bias, activation, packed="packed"):
     x = x.float()
     low = x.amin(dim=1, keepdim=True)  # (M, 1)
     span = (x.amax(dim=1, keepdim=True) - low).clamp_(min=1e-12)
-    y = _linear_dynamic((x - low).div_(span), t, packed).mul_(span)  # (M, N) float32
-    y.addr_(low[:, 0], t["row_sums"])
+    y = _linear_dynamic((x - low).div_(span), t, packed)  # (M, N) float32: x' W^T
+    y.mul_(span).addcmul_(low, t["row_sums"])  # (M, 1) x (N,): faster here than addr_'s outer product
     return _act(y if bias is None else y.add_(bias), activation)
 
 
