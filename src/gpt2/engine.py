@@ -313,13 +313,15 @@ def compiled_decode_step(model):
         if PACKAGE_DECODE_STEPS and PackagedDecodeStep.applies(model):
             step = _compiled_decode_steps[model] = PackagedDecodeStep()  # builds with add_compile_weights
         else:
-            from gpt2.quantize import add_compile_weights
-            add_compile_weights(model)  # plain weights some packings do not keep (MKL's, oneDNN's), for Inductor
-            step = _compiled_decode_steps[model] = _torch_compiled_step()
+            step = _compiled_decode_steps[model] = _torch_compiled_step(model)
     return step
 
 
-def _torch_compiled_step():
+def _torch_compiled_step(model):
+    """decode_step's own copy under torch.compile, and the plain weights its graph reads, which some packings
+    do not keep (MKL's, oneDNN's), given back for Inductor to pack (add_compile_weights)."""
+    from gpt2.quantize import add_compile_weights
+    add_compile_weights(model)
     own = types.FunctionType(decode_step.__code__.replace(), decode_step.__globals__, decode_step.__name__)
     return torch.compile(own, dynamic=False, fullgraph=True)
 
@@ -644,9 +646,7 @@ def checked_compiled_step(model, args) -> torch.Tensor:
         except Exception as error:  # export or AOTInductor failed on some format: torch.compile's graph instead
             log.warning("could not package the compiled decode step (%s: %s): compiling it with torch.compile",
                         type(error).__name__, error)
-            from gpt2.quantize import add_compile_weights
-            add_compile_weights(model)  # the plain weights its graph reads, for Inductor to pack
-            _compiled_decode_steps[model] = _torch_compiled_step()
+            _compiled_decode_steps[model] = _torch_compiled_step(model)
     keys, cache = args[4], args[5]
     torch._dynamo.mark_dynamic(keys, 1)
     for layer_cache in list(cache.k) + list(cache.v):  # (B, nh, capacity, hs) each
