@@ -32,7 +32,9 @@ RSS counts the pages it touched); Transformers: GPT2LMHeadModel.from_pretrained.
 
 --quality RUN: a trained model (the quickstart `make demo` trains), its perplexity on the val split at
 each precision, ours and llama.cpp's (logits_all=True over the same tokens, on GGUFs of the same
-model), the increase over float32, the mean KL divergence from that tool's float32 predictions (each
+model), the increase over float32 (± its standard error over the windows, each window's log-ratio
+paired with the same window's at float32), ours less llama.cpp's increase (± its standard error, paired
+by window: whether one is really smaller), the mean KL divergence from that tool's float32 predictions (each
 worker computes both, in one process), and top-1 agreement with that tool's float32. With --compile,
 ours also through the compiled decode step, one token a step, against the same float32 predictions.
 
@@ -203,7 +205,7 @@ def quality_summary(windows, logprobs, reference=None) -> dict:
             ref = reference(row[:-1])
             kl.append((np.exp(ref) * (ref - logp)).sum(1))
     return {"nll": float(np.concatenate(nll).mean()), "argmax": np.concatenate(argmax).tolist(),
-            "kl": float(np.concatenate(kl).mean()) if kl else 0.0}
+            "kl": float(np.concatenate(kl).mean()) if kl else 0.0, "window_nll": [float(x.mean()) for x in nll]}
 
 
 def quality_ours(args) -> dict:
@@ -467,9 +469,9 @@ def quality(args, model_dir: Path, gguf_dir: Path) -> None:
     path = gguf_dir / "windows.npy"
     np.save(path, windows)
     print(f"\nquality: {W} windows x {T} tokens of {args.data} val ({W * T:,} predictions)")
-    print("| precision | ours ppl | ours Δ vs fp32 | ours KL vs fp32 | ours top-1 vs fp32 | llama.cpp | "
-          "llama.cpp ppl | llama.cpp Δ vs F32 | llama.cpp KL vs F32 | llama.cpp top-1 vs F32 |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| precision | ours ppl | ours Δ vs fp32 | ours Δ less llama.cpp's | ours KL vs fp32 | ours top-1 vs fp32 | "
+          "llama.cpp | llama.cpp ppl | llama.cpp Δ vs F32 | llama.cpp KL vs F32 | llama.cpp top-1 vs F32 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     ours = {p: run_worker("quality-ours", args, precision=p, model_dir=model_dir, windows=path) for p in args.precisions}
     compiled = {p: run_worker("quality-ours", args, precision=p, model_dir=model_dir, windows=path, compile=True)
                 for p in args.precisions if args.compile}
@@ -478,14 +480,26 @@ def quality(args, model_dir: Path, gguf_dir: Path) -> None:
                            **({"reference_gguf": f32} if p != "float32" else {}))
              for p in args.precisions}
     agree = lambda a, b: np.mean(np.asarray(a["argmax"]) == np.asarray(b["argmax"]))
+    by_window = lambda r: np.asarray(r["window_nll"])
+
+    def increase(run, reference, peer=None) -> str:
+        """The perplexity's increase over float32, ± its standard error over the windows (paired: the same
+        windows at both precisions); with the peer's run and reference, ours less the peer's increase too."""
+        ppl = np.exp(reference["nll"])
+        diff = by_window(run) - by_window(reference)  # (W,) each window's mean log-ratio
+        text = f"{np.exp(run['nll']) - ppl:+.3f} ± {ppl * diff.std(ddof=1) / np.sqrt(len(diff)):.3f}"
+        if peer is not None:  # ppl (Δnll_ours - Δnll_peer), paired by window: is one increase really smaller?
+            gap = diff - (by_window(peer[0]) - by_window(peer[1]))
+            text += f" | {ppl * gap.mean():+.3f} ± {ppl * gap.std(ddof=1) / np.sqrt(len(gap)):.3f}"
+        return text
+
     for p in args.precisions:
         o, l = ours[p], peers[p]
-        print(f"| {p} | {np.exp(o['nll']):.3f} | {np.exp(o['nll']) - np.exp(ours['float32']['nll']):+.3f} | "
+        print(f"| {p} | {np.exp(o['nll']):.3f} | {increase(o, ours['float32'], (l, peers['float32']))} | "
               f"{o['kl']:.6f} | {agree(o, ours['float32']):.2%} | {LLAMA[p]} | {np.exp(l['nll']):.3f} | "
-              f"{np.exp(l['nll']) - np.exp(peers['float32']['nll']):+.3f} | {l['kl']:.6f} | "
-              f"{agree(l, peers['float32']):.2%} |")
+              f"{increase(l, peers['float32'])} | {l['kl']:.6f} | {agree(l, peers['float32']):.2%} |")
     for p, o in compiled.items():  # the compiled decode step's predictions, against the same float32 as above
-        print(f"| {p} compiled | {np.exp(o['nll']):.3f} | {np.exp(o['nll']) - np.exp(ours['float32']['nll']):+.3f} | "
+        print(f"| {p} compiled | {np.exp(o['nll']):.3f} | {increase(o, ours['float32'], (peers[p], peers['float32']))} | "
               f"{o['kl']:.6f} | {agree(o, ours['float32']):.2%} | | | | | |")
 
 

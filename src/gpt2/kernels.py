@@ -449,7 +449,9 @@ def measure_shapes(precision: str, shapes: list[tuple[int, int, str | None]]) ->
         parts_only = {id(layer): _parts_to_time(combined, running[id(layer)]) if regime == "batch" else {}
                       for layer in layers}
         for fmt in formats:
-            first = next(iter(fmt.paths))
+            # the format's first path that runs at this regime is always timed (_may_win), so that every
+            # format covers every regime (a one-row path comes first in int8's and runs at decode only)
+            first = next((name for name in fmt.paths if runs_at(fmt, name, regime)), None)
             for name, path in fmt.paths.items():
                 if not runs_at(fmt, name, regime):
                     continue
