@@ -82,8 +82,9 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # The spans searched per int4 group, as fractions of its [min, max] (quantize_int4_groups). 16 levels over
 # exactly [min, max] spend two on the group's extremes; over a span a little narrower or wider, refitted by
 # least squares to the levels the weights round to, the squared error of Gaussian weights falls to 0.83x
-# with these 7 spans (0.80x with 21 over [0.8, 1.2], 0.92x with the refit alone), and the quickstart model's
-# KL divergence from float32 by 22-28% (BENCHMARKS.md), as llama.cpp's k-quants search their scales. It
+# with these 7 spans (0.80x with 21 over [0.8, 1.2], 0.92x with the refit alone), as llama.cpp's k-quants
+# search their scales. The predictions gain less than the weights: one quickstart model's KL divergence
+# from float32 fell 22-28%, three others' moved by -7% to +7% (BENCHMARKS.md, int4_error_anatomy.py). It
 # costs ~10 ns per weight at load (124M 1.5 -> 2.6 s, gpt2-xl 11 -> 24 s); 21 spans cost twice that.
 INT4_SPANS = torch.linspace(0.85, 1.15, 7).tolist()
 INT4_SEARCH_BLOCK = 1 << 18  # weights searched at a time
