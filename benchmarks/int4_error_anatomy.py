@@ -29,22 +29,17 @@ import gguf
 import numpy as np
 import torch
 
-from gpt2.quantize import quantize_int4_groups
+from gpt2.quantize import INT4_GROUP, int4_values, quantize_int4_groups
 from gpt2.shards import load_split
 from gpt2.weights import load_model
 
-GROUP = 32
-
 
 def ours(w: torch.Tensor) -> torch.Tensor:
-    q, scales_zeros = quantize_int4_groups(w.float())
-    N, K = q.shape
-    sz = scales_zeros.transpose(0, 1).double()  # (N, K/group, 2)
-    return ((q.view(N, K // GROUP, GROUP).double() - 8) * sz[..., :1] + sz[..., 1:]).view(N, K)
+    return int4_values(*quantize_int4_groups(w.float())).to(w.dtype)
 
 
 def min_max(w: torch.Tensor) -> torch.Tensor:
-    g = w.view(w.size(0), -1, GROUP)
+    g = w.view(w.size(0), -1, INT4_GROUP)
     lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
     step = ((hi - lo) / 15).clamp(min=1e-12)
     return (((g - lo) / step).round().clamp(0, 15) * step + lo).view_as(w)
@@ -78,39 +73,42 @@ def block_weights(model) -> dict[str, torch.nn.Parameter]:
 
 
 def measure(reference, windows: np.ndarray) -> None:
-    # The gradient of the split's mean loss at float64, for the first-order part.
+    # The gradient of the split's mean loss at float64 (for the first-order part), and each window's loss.
     weights = block_weights(reference)
     reference.zero_grad()
+    reference_nll = []
     for row in windows:
         ids = torch.from_numpy(row)
-        loss = torch.nn.functional.cross_entropy(logits_of(reference, ids[:-1]), ids[1:]) / len(windows)
-        loss.backward()
-    with torch.no_grad():
-        reference_nll = np.array([torch.nn.functional.cross_entropy(logits_of(reference, torch.from_numpy(r[:-1])),
-                                                                    torch.from_numpy(r[1:])).item() for r in windows])
+        loss = torch.nn.functional.cross_entropy(logits_of(reference, ids[:-1]), ids[1:])
+        (loss / len(windows)).backward()
+        reference_nll.append(loss.item())
+    reference_nll = np.array(reference_nll)
     ppl = float(np.exp(reference_nll.mean()))
+    quantized, first = {}, {}
+    with torch.no_grad():
+        for name, quantize in QUANTIZERS.items():
+            quantized[name] = model = copy.deepcopy(reference)
+            first[name] = 0.0
+            for key, p in block_weights(model).items():
+                p.copy_(quantize(weights[key].detach()))
+                first[name] += float((weights[key].grad * (p - weights[key])).sum())
+        nll, kl = {name: [] for name in quantized}, {name: [] for name in quantized}
+        for row in windows:  # the reference's log-probabilities once a window, for every quantizer
+            ids = torch.from_numpy(row)
+            ref = torch.log_softmax(logits_of(reference, ids[:-1]), -1)
+            for name, model in quantized.items():
+                logp = torch.log_softmax(logits_of(model, ids[:-1]), -1)
+                nll[name].append(-logp[torch.arange(len(ids) - 1), ids[1:]].mean().item())
+                kl[name].append((ref.exp() * (ref - logp)).sum(-1).mean().item())
     print(f"float64 perplexity {ppl:.3f}\n")
     print("| quantizer | Δ ppl | first-order part (g . δ) | the rest | KL vs float64 |")
     print("| --- | --- | --- | --- | --- |")
-    quantized = copy.deepcopy(reference)
-    with torch.no_grad():
-        for name, quantize in QUANTIZERS.items():
-            first = 0.0
-            for key, p in block_weights(quantized).items():
-                p.copy_(quantize(weights[key].detach()))
-                first += float((weights[key].grad * (p - weights[key])).sum())
-            nll, kl = [], []
-            for row in windows:
-                ids = torch.from_numpy(row)
-                logp = torch.log_softmax(logits_of(quantized, ids[:-1]), -1)
-                ref = torch.log_softmax(logits_of(reference, ids[:-1]), -1)
-                nll.append(-logp[torch.arange(len(ids) - 1), ids[1:]].mean().item())
-                kl.append((ref.exp() * (ref - logp)).sum(-1).mean().item())
-            diff = np.array(nll) - reference_nll
-            delta = float(np.exp(np.mean(nll))) - ppl
-            error = ppl * diff.std(ddof=1) / np.sqrt(len(diff))
-            print(f"| {name} | {delta:+.3f} ± {error:.3f} | {ppl * first:+.3f} | {delta - ppl * first:+.3f} "
-                  f"| {np.mean(kl):.6f} |")
+    for name in quantized:
+        diff = np.array(nll[name]) - reference_nll
+        delta = float(np.exp(np.mean(nll[name]))) - ppl
+        error = ppl * diff.std(ddof=1) / np.sqrt(len(diff))
+        print(f"| {name} | {delta:+.3f} ± {error:.3f} | {ppl * first[name]:+.3f} | {delta - ppl * first[name]:+.3f} "
+              f"| {np.mean(kl[name]):.6f} |")
 
 
 def main() -> None:

@@ -140,6 +140,13 @@ def _int4_search(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.flatten(1).to(torch.int32), torch.cat([s, z], dim=-1).transpose(0, 1)
 
 
+def int4_values(q: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """q (N, K) in [0, 15], scales_zeros (K/group, N, 2) -> the weights (q - 8) s + z (N, K), in float64."""
+    N, K = q.shape
+    sz = scales_zeros.transpose(0, 1).double()  # (N, K/group, 2)
+    return ((q.view(N, K // INT4_GROUP, -1).double() - 8) * sz[..., :1] + sz[..., 1:]).view(N, K)
+
+
 def _int4_dequantize(nibbles: torch.Tensor, scales_zeros: torch.Tensor, dtype) -> torch.Tensor:
     """nibbles (N, K/2) uint8 (q[:, 2j] low, q[:, 2j+1] high) -> w (N, K) in dtype."""
     N = nibbles.size(0)
@@ -600,9 +607,8 @@ def _int4_reference(w, t, rows=None):
     if w is None:
         raise ValueError("int4pack keeps only the kernel's packed nibbles")
     q, _ = quantize_int4_groups(_rows(w, rows))  # deterministic, row by row: the q that pack stored
-    N, K = q.shape
-    sz = _rows(t["scales_zeros"].transpose(0, 1), rows).double()  # (N, K/group, 2), as the kernel reads them (bf16)
-    return ((q.view(N, K // INT4_GROUP, -1).double() - 8) * sz[..., :1] + sz[..., 1:]).view(N, K)
+    scales_zeros = t["scales_zeros"] if rows is None else t["scales_zeros"][:, rows]  # as the kernel reads them (bf16)
+    return int4_values(q, scales_zeros)
 
 
 CPU_FORMATS: list[WeightFormat] = [
