@@ -123,8 +123,9 @@ def _int4_min_max_groups(w: torch.Tensor) -> torch.Tensor:
 
 def test_int4_groups_search_their_levels_and_round_to_the_nearest():
     """Each weight sits at its nearest level of its group (within half a step, where it lies among the
-    levels); no group's squared error exceeds the plain [min, max] levels' (the search includes them),
-    and over Gaussian weights the search lowers it by more than 15%. Rows are quantized on their own."""
+    levels); no group's |w|-weighted squared error exceeds the plain [min, max] levels' (the search
+    includes them), and over Gaussian weights the search lowers it below 0.86x (the unweighted search
+    gave 0.91x) and the plain squared error below 0.9x. Rows are quantized on their own."""
     torch.manual_seed(0)
     w = torch.randn(40, 4 * INT4_GROUP) * torch.linspace(0.01, 3, 40)[:, None]
     q, sz = quantize_int4_groups(w)
@@ -134,14 +135,16 @@ def test_int4_groups_search_their_levels_and_round_to_the_nearest():
     exact = (q.double() - 8) * step + zero
     among_levels = ((w.double() - zero) / step + 8 - 7.5).abs() <= 8  # within [-0.5, 15.5] levels
     assert ((exact - w).abs() <= step / 2 * (1 + 1e-6))[among_levels].all()
-    searched = (exact - w).pow(2).view(40, 4, INT4_GROUP).sum(-1)
-    plain = (_int4_min_max_groups(w) - w).pow(2).view(40, 4, INT4_GROUP).sum(-1)
+    searched = (w.abs() * (exact - w).pow(2)).view(40, 4, INT4_GROUP).sum(-1)
+    plain = (w.abs() * (_int4_min_max_groups(w) - w).pow(2)).view(40, 4, INT4_GROUP).sum(-1)
     assert (searched <= plain * 1.01).all()  # 1%: s and z rounded to bf16
     gaussian = torch.randn(256, 768) * 0.02
     q, sz = quantize_int4_groups(gaussian)
     s, z = (sz[..., i].t().double().repeat_interleave(INT4_GROUP, dim=1) for i in (0, 1))
-    ratio = ((q.double() - 8) * s + z - gaussian).pow(2).sum() / (_int4_min_max_groups(gaussian) - gaussian).pow(2).sum()
-    assert ratio < 0.85, ratio
+    error, min_max_error = (q.double() - 8) * s + z - gaussian, _int4_min_max_groups(gaussian) - gaussian
+    weighted = (gaussian.abs() * error.pow(2)).sum() / (gaussian.abs() * min_max_error.pow(2)).sum()
+    assert weighted < 0.86, weighted
+    assert error.pow(2).sum() / min_max_error.pow(2).sum() < 0.9
     q_rows, sz_rows = quantize_int4_groups(gaussian[100:103])
     assert q_rows.equal(q[100:103]) and sz_rows.equal(sz[:, 100:103])
 
@@ -564,20 +567,35 @@ print(status("VmHWM") - before)
     assert peak < 0.5 * weight_bytes
 
 
-def assert_equal_up_to_bf16_ties(model, fast: list[list[int]], naive: list[list[int]]):
-    """Rows agree token for token, except that at a step where the two top logits are equal to within
-    bf16's rounding (2^-7 of the largest logit: bf16 keeps 8 bits), either token is right; the
-    rows may then go apart, and are compared no further. Any other difference is a bug."""
+def assert_equal_up_to_ties(model, fast: list[list[int]], naive: list[list[int]]):
+    """Rows agree token for token, except at a near-tie, where the cached and the naive forward may pick
+    different tokens; the rows may then go apart and are compared no further. The two run different
+    kernels (a decode step's 1-3 rows against all rows) and a bf16 KV cache attends in bf16, rounding each
+    layer's attention output at other places than the naive forward does: measured up to 1.1% of the
+    largest logit on this model. So at the step where a row first differs, the cached logits are replayed
+    (the prompt prefilled, then one token at a time) beside the naive ones, and
+    - the two paths' logits differ by at most 2^-5 of the largest |logit| (a few bf16 roundings; a wrong
+      cache entry moves them by far more), and
+    - the naive logits of the two tokens are closer than bf16's rounding (2^-7 of the largest |logit|) or
+      than twice the paths' measured difference: the flip is that difference, not a bug."""
     for row, (a, b) in enumerate(zip(fast, naive)):
         t = next((i for i, (u, v) in enumerate(zip(a, b)) if u != v), None)
         if t is None:
             assert len(a) == len(b), row
             continue
+        prompt = PROMPTS[row]
         with torch.inference_mode():
-            logits = model(torch.tensor([PROMPTS[row] + b[:t]]))[0, -1].double()
+            logits = model(torch.tensor([prompt + b[:t]]))[0, -1].double()
+            cache = KVCache.for_model(model, 1, len(prompt) + t)
+            replayed = model(torch.tensor([prompt]), cache=cache)[0, -1]
+            for token in b[:t]:
+                replayed = model(torch.tensor([[token]]), cache=cache)[0, -1]
+        largest = logits.abs().max().item()
+        difference = (replayed.double() - logits).abs().max().item()
+        assert difference <= 2 ** -5 * largest, f"row {row} step {t}: cached and naive logits {difference:.4g} apart"
         gap = (logits[b[t]] - logits[a[t]]).abs().item()
-        assert gap <= 2 ** -7 * logits.abs().max().item(), (
-            f"row {row} step {t}: cached {a[t]} vs naive {b[t]}, logits {gap:.4g} apart: not a bf16 tie")
+        assert gap <= max(2 ** -7 * largest, 2 * difference), (
+            f"row {row} step {t}: cached {a[t]} vs naive {b[t]}, logits {gap:.4g} apart: not a near-tie")
 
 
 @pytest.mark.parametrize("precision,bf16_cache", [(p, False) for p in PRECISIONS]
@@ -597,8 +615,8 @@ def test_cached_generation_equals_naive_at_every_precision(precision, bf16_cache
         sampled = dict(temperature=0.9, top_k=50, seed=[3, 4, 5])
         assert generate(model, PROMPTS, max_new_tokens=16, **sampled) == generate_naive(
             model, PROMPTS, max_new_tokens=16, **sampled)
-    else:  # bf16 logits: the cached path (1-3 rows) and the naive one (all rows) round differently
-        assert_equal_up_to_bf16_ties(model, fast, naive)
+    else:  # bf16 numbers: the cached path (1-3 rows) and the naive one (all rows) round differently
+        assert_equal_up_to_ties(model, fast, naive)
 
 
 @pytest.mark.parametrize("precision,agreement", [("bfloat16", 0.9), ("int8", 0.9), ("int4", 0.6)])

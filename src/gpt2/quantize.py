@@ -81,11 +81,13 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # The spans searched per int4 group, as fractions of its [min, max] (quantize_int4_groups). 16 levels over
 # exactly [min, max] spend two on the group's extremes; over a span a little narrower or wider, refitted by
-# least squares to the levels the weights round to, the squared error of Gaussian weights falls to 0.83x
-# with these 7 spans (0.80x with 21 over [0.8, 1.2], 0.92x with the refit alone), as llama.cpp's k-quants
-# search their scales. The predictions gain less than the weights: one quickstart model's KL divergence
-# from float32 fell 22-28%, three others' moved by -7% to +7% (BENCHMARKS.md, int4_error_anatomy.py). It
-# costs ~10 ns per weight at load (124M 1.5 -> 2.6 s, gpt2-xl 11 -> 24 s); 21 spans cost twice that.
+# least squares to the levels the weights round to, the squared error falls (0.83x on Gaussian weights with
+# these 7 spans), as llama.cpp's k-quants search their scales. Plain squared error moved the predictions
+# less than the weights: the KL divergence from float32 of three quickstart models' blocks by -7% to +7%
+# against [min, max]. Each weight's error weighted by its |w| (k-quants weight by rms + |w| without an
+# importance matrix) took it 10-25% below [min, max]'s on all three (BENCHMARKS.md, int4_error_anatomy.py):
+# a large weight's error moves the outputs more. The search costs ~12 ns per weight at load (124M 1.5 ->
+# 2.8 s, gpt2-xl 11 -> ~26 s).
 INT4_SPANS = torch.linspace(0.85, 1.15, 7).tolist()
 INT4_SEARCH_BLOCK = 1 << 18  # weights searched at a time
 
@@ -95,7 +97,8 @@ def quantize_int4_groups(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torc
 
     Per group, 16 levels s L + m (L = 0..15): for each span of INT4_SPANS, the levels are laid from the
     group's min over that fraction of its range, each weight takes its nearest, and (s, m) is refitted by
-    least squares to the levels taken; the fit of least squared error is kept. s and z = m + 8 s are
+    least squares to the levels taken, each weight's squared error weighted by |w|; the fit of least
+    weighted error is kept. s and z = m + 8 s are
     rounded to bf16 (what the kernels read) before each weight is rounded to its nearest level. Each row is
     quantized on its own: the same rows give the same q and scales_zeros in any batch of rows.
     """
@@ -113,25 +116,30 @@ def quantize_int4_groups(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torc
 
 def _int4_search(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """g (n, K/group, group) float32 -> q (n, K) int32, scales_zeros (K/group, n, 2): quantize_int4_groups."""
-    group = g.size(-1)
     lo = g.amin(-1, keepdim=True)  # (n, K/group, 1)
     span = (g.amax(-1, keepdim=True) - lo).clamp_(min=1e-12)
-    sum_w = g.sum(-1, keepdim=True)
+    # Each weight's squared error counts |w| times (above INT4_SPANS): the fit favours the large weights.
+    importance = g.abs().add_(span * 1e-6)  # (n, K/group, group), > 0 so every group has weight
+    sum_c = importance.sum(-1, keepdim=True)
+    sum_cw = torch.linalg.vecdot(importance, g).unsqueeze(-1)
     unit = (g - lo).div_(span)  # each weight's place in its group's [min, max], in [0, 1]
-    levels = torch.empty_like(g)
+    levels, weighted = torch.empty_like(g), torch.empty_like(g)
     fits = []
     for fraction in INT4_SPANS:
         torch.mul(unit, 15 / fraction, out=levels).round_()  # L (n, K/group, group)
         if fraction < 1:  # the span narrower than the range: the top weights clip to the top level
             levels.clamp_(max=15)
-        sum_l = levels.sum(-1, keepdim=True)
-        sum_ll = torch.linalg.vecdot(levels, levels).unsqueeze(-1)
-        sum_lw = torch.linalg.vecdot(levels, g).unsqueeze(-1)
-        # Least squares of w ~ s L + m. The determinant is an exact integer (L <= 15), 0 only where every
-        # weight took one level: then s = 0 and m is their mean.
-        s = (group * sum_lw - sum_l * sum_w).div_((group * sum_ll - sum_l * sum_l).clamp_(min=1))
-        m = (sum_w - s * sum_l).div_(group)
-        fits.append((s, m, s * sum_lw + m * sum_w))  # sum w^2 less the fit's squared error
+        torch.mul(levels, importance, out=weighted)  # c L
+        sum_cl = weighted.sum(-1, keepdim=True)
+        sum_cll = torch.linalg.vecdot(weighted, levels).unsqueeze(-1)
+        sum_clw = torch.linalg.vecdot(weighted, g).unsqueeze(-1)
+        # Weighted least squares of w ~ s L + m. The determinant is 0 where every weight took one level
+        # (then s = 0 and m is their weighted mean); below 1e-6 of its scale it is that case's rounding.
+        determinant = sum_c * sum_cll - sum_cl * sum_cl
+        s = (sum_c * sum_clw - sum_cl * sum_cw).div_(determinant.clamp(min=1e-30))
+        s.masked_fill_(determinant <= 1e-6 * sum_c * sum_cll, 0)
+        m = (sum_cw - s * sum_cl).div_(sum_c)
+        fits.append((s, m, s * sum_clw + m * sum_cw))  # sum c w^2 less the fit's weighted squared error
     s, m, explained = (torch.cat(parts, dim=-1) for parts in zip(*fits))  # (n, K/group, spans)
     best = explained.argmax(-1, keepdim=True)
     s = s.gather(-1, best).clamp_(min=1e-12).to(torch.bfloat16).float()  # (n, K/group, 1)
