@@ -25,14 +25,15 @@ TINY = dict(n_layer=2, n_head=2, n_embd=16, vocab_size=97, n_positions=64)
 
 @pytest.fixture(scope="session", autouse=True)
 def session_measurement_cache(tmp_path_factory):
-    """Kernel plans, the other measurements (speculation.json, training.json, ...) and the packaged decode
-    steps of in-process tests go to the session's own cache, never the user's. Tests that check the
-    cache itself patch it again."""
-    from gpt2 import engine, kernels
+    """Kernel plans, the other measurements (speculation.json, training.json, ...), the packaged decode
+    steps and int4's quantized weights of in-process tests go to the session's own cache, never the
+    user's. Tests that check the cache itself patch it again."""
+    from gpt2 import engine, kernels, quantize
     path = tmp_path_factory.mktemp("gpt2-cache") / "kernels.json"
     patch = pytest.MonkeyPatch()
     patch.setattr(kernels, "default_cache_path", lambda: path)
     patch.setattr(engine, "package_directory", lambda: path.parent / "compiled")  # packaged decode steps
+    patch.setattr(quantize, "int4_cache_directory", lambda: path.parent / "int4")
     yield path
     patch.undo()
 

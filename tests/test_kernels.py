@@ -149,6 +149,78 @@ def test_int4_groups_search_their_levels_and_round_to_the_nearest():
     assert q_rows.equal(q[100:103]) and sz_rows.equal(sz[:, 100:103])
 
 
+def test_int4_cache_returns_the_search_and_recovers_from_a_damaged_entry(tmp_path, monkeypatch, caplog):
+    """quantize_int4_groups_cached gives quantize_int4_groups' q and scales_zeros bit for bit, from one
+    entry per distinct weight; it reads that entry back on the next call (an entry of other values
+    written there is what it returns); a truncated entry, a flipped byte, another shape's entry or an
+    unwritable directory each cost one warning and give the search's own result, the entry rewritten."""
+    directory = tmp_path / "int4"
+    monkeypatch.setattr(quantize, "int4_cache_directory", lambda: directory)
+    torch.manual_seed(0)
+    w = torch.randn(64, 128) * 0.02
+    expected = quantize_int4_groups(w)
+    got = quantize.quantize_int4_groups_cached(w)
+    assert got[0].equal(expected[0]) and got[1].equal(expected[1])
+    [entry] = directory.rglob("*.safetensors")
+    assert quantize.quantize_int4_groups_cached(w.clone())[0].equal(expected[0])
+    assert list(directory.rglob("*.safetensors")) == [entry]
+    quantize.quantize_int4_groups_cached(w * 2)  # other weights, another entry
+    assert len(list(directory.rglob("*.safetensors"))) == 2
+
+    planted = torch.full_like(expected[0], 3), expected[1] * 2
+    quantize._write_int4_entry(entry, *planted)
+    got = quantize.quantize_int4_groups_cached(w)
+    assert got[0].equal(planted[0]) and got[1].equal(planted[1]), "the entry is read, not the search rerun"
+
+    good = entry.read_bytes()
+    flipped = bytearray(good)
+    flipped[-100] ^= 0x10  # inside the payload: the file still parses
+    damaged = {"truncated": good[: len(good) // 2], "flipped byte": bytes(flipped)}
+    for why, content in damaged.items():
+        entry.write_bytes(content)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="gpt2.quantize"):
+            got = quantize.quantize_int4_groups_cached(w)
+        assert got[0].equal(expected[0]) and got[1].equal(expected[1]), why
+        assert sum("ignoring the int4 cache entry" in r.message for r in caplog.records) == 1, why
+        assert quantize._read_int4_entry(entry, 64, 128)[0].equal(expected[0]), why  # rewritten
+    quantize._write_int4_entry(entry, *quantize_int4_groups(w[:32]))  # a 32-row weight's entry in its place
+    with pytest.raises(ValueError, match="not an int4 entry for a 64x128 weight"):
+        quantize._read_int4_entry(entry, 64, 128)
+    assert quantize.quantize_int4_groups_cached(w)[0].equal(expected[0])
+
+    monkeypatch.setattr(quantize, "int4_cache_directory", lambda: tmp_path / "a file")
+    (tmp_path / "a file").write_text("not a directory")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gpt2.quantize"):
+        got = quantize.quantize_int4_groups_cached(w)
+    assert got[0].equal(expected[0]) and any("could not write the int4 cache" in r.message for r in caplog.records)
+
+
+def test_an_int4_model_loads_again_from_the_cache_with_the_same_logits(tmp_path, monkeypatch):
+    """Loading at int4 writes one entry per block weight; the second load adds none and computes the same
+    logits; a checkpoint with one weight changed adds one entry."""
+    directory = tmp_path / "int4"
+    monkeypatch.setattr(quantize, "int4_cache_directory", lambda: directory)
+    model = tiny_model()
+    model.save_pretrained(tmp_path / "model")
+    ids = torch.tensor([PROMPTS[0]])
+    kernels.plan_for(model, "int4")  # the measurement's own (random) weights' entries first
+    measured = set(directory.rglob("*.safetensors"))
+    with torch.inference_mode():
+        first = quantize.load_for_inference(tmp_path / "model", "int4")(ids)
+        entries = sorted(directory.rglob("*.safetensors"))
+        assert len(set(entries) - measured) == 4 * CONFIG.n_layer  # c_attn, c_proj, c_fc, c_proj (lm_head: int8)
+        second = quantize.load_for_inference(tmp_path / "model", "int4")(ids)
+        assert sorted(directory.rglob("*.safetensors")) == entries
+        assert second.equal(first)
+        with torch.no_grad():
+            model.transformer.h[0].mlp.c_fc.weight[0, 0] += 0.5
+        model.save_pretrained(tmp_path / "model")
+        quantize.load_for_inference(tmp_path / "model", "int4")
+        assert len(list(directory.rglob("*.safetensors"))) == len(entries) + 1
+
+
 def test_int4pack_dequantize_reads_the_kernels_own_layout_exactly():
     """The bf16 weight read back from _weight_int4pack_mm_for_cpu's packed form is (q - 8) s + z of
     every element (computed independently here), and the kernel's own product with the identity

@@ -25,7 +25,7 @@ functions (x (M, K), tensors) -> y (M, N). Every path of a format computes with 
               packings of one q and s in one layer, each regime taking the faster engine (kernels.py
               keeps it only where it gains enough for its second packed copy)
   int4      per group of 32 along K, w = (q - 8) * s + z (asymmetric, PyTorch's tinygemm convention; s and
-            z searched per group for the least squared error):
+            z searched per group for the least |w|-weighted squared error, the result cached on disk):
               _weight_int4pack_mm_for_cpu (bf16 activations) on CPU, or for long prefills its packed
               weight dequantized to bf16 once per call, a block of rows at a time, for bf16 GEMMs;
               elsewhere the nibbles are dequantized for a bf16 GEMM
@@ -49,12 +49,15 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import xxhash
 
+from gpt2.atomic import atomic_write_bytes
 from gpt2.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -81,13 +84,13 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # The spans searched per int4 group, as fractions of its [min, max] (quantize_int4_groups). 16 levels over
 # exactly [min, max] spend two on the group's extremes; over a span a little narrower or wider, refitted by
-# least squares to the levels the weights round to, the squared error falls (0.83x on Gaussian weights with
-# these 7 spans), as llama.cpp's k-quants search their scales. Plain squared error moved the predictions
-# less than the weights: the KL divergence from float32 of three quickstart models' blocks by -7% to +7%
-# against [min, max]. Each weight's error weighted by its |w| (k-quants weight by rms + |w| without an
-# importance matrix) took it 10-25% below [min, max]'s on all three (BENCHMARKS.md, int4_error_anatomy.py):
-# a large weight's error moves the outputs more. The search costs ~12 ns per weight at load (124M 1.5 ->
-# 2.8 s, gpt2-xl 11 -> ~26 s).
+# least squares to the levels the weights round to, the error falls, as llama.cpp's k-quants search their
+# scales. Plain squared error (0.83x [min, max]'s on Gaussian weights) moved the predictions less than the
+# weights: three quickstart models' block KL divergence from float32 by -7% to +7%. Each weight's error
+# weighted by its |w| (k-quants weight by rms + |w| without an importance matrix): a large weight's error
+# moves the outputs more: block KL 2-15% below [min, max]'s, 1-16% below the plain search's and 9-36% below
+# llama.cpp's Q4_0 on all three, val and train (BENCHMARKS.md, int4_error_anatomy.py). ~13 ns a weight at load
+# (GPT-2 124M 0.6 -> 2.5 s, gpt2-xl ~12 -> 32-49 s), paid once per weight: the result is cached (below).
 INT4_SPANS = torch.linspace(0.85, 1.15, 7).tolist()
 INT4_SEARCH_BLOCK = 1 << 18  # weights searched at a time
 
@@ -153,6 +156,91 @@ def int4_values(q: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
     N, K = q.shape
     sz = scales_zeros.transpose(0, 1).double()  # (N, K/group, 2)
     return ((q.view(N, K // INT4_GROUP, -1).double() - 8) * sz[..., :1] + sz[..., 1:]).view(N, K)
+
+
+# int4's search costs ~13 ns a weight and depends only on the weight: _pack_int4 keeps its result in the
+# user's cache, named by a hash of the weight's bytes, and a later load of the same checkpoint reads it
+# back instead of searching again (0.625 B a weight on disk, gpt2-xl's 0.9 GB; loading at int4, GPT-2 124M
+# 2.4-2.6 -> 1.3 s, gpt2-xl 32-49 -> 11 s). Delete the directory at any time; loads refill it.
+
+def int4_cache_directory() -> Path:
+    """Where quantize_int4_groups_cached keeps its results: $XDG_CACHE_HOME/gpt2/int4 (~/.cache/gpt2/int4)."""
+    from gpt2.datasets import default_cache_dir
+    return default_cache_dir() / "int4"
+
+
+@functools.cache
+def _int4_quantizer_key() -> str | None:
+    """What a cached result depends on besides the weight: the quantizer's code and spans, torch and the
+    CPU (its kernels round: a result from another machine could differ at a tie). None, and nothing is
+    cached, where the quantizer's source cannot be read (then an edit to it could not be noticed)."""
+    import inspect
+    from gpt2.kernels import machine_key
+    try:
+        source = "".join(inspect.getsource(f) for f in (quantize_int4_groups, _int4_search))
+    except OSError:
+        return None
+    machine = {k: v for k, v in machine_key().items() if k != "threads"}  # each group is one thread's
+    return xxhash.xxh3_128_hexdigest(f"{source}|{INT4_SPANS}|{INT4_GROUP}|{sorted(machine.items())}".encode())
+
+
+def quantize_int4_groups_cached(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_int4_groups(w), read from int4_cache_directory() where these very weights were quantized
+    before by this quantizer on this machine, else computed and written there (atomically). An entry that
+    does not read back as written (truncated, corrupt, another shape) is ignored with a warning, then
+    recomputed and replaced; a cache that cannot be written costs only the next load's time."""
+    quantizer = _int4_quantizer_key()
+    if w.device.type != "cpu" or quantizer is None:
+        return quantize_int4_groups(w)
+    w = w.detach().float().contiguous()
+    digest = xxhash.xxh3_128(f"{quantizer}|{tuple(w.shape)}|".encode())
+    digest.update(w.numpy().data.cast("B"))  # (N, K) float32: ~12 GB/s, 3% of the search's cost
+    key = digest.hexdigest()
+    path = int4_cache_directory() / key[:2] / f"{key}.safetensors"
+    if path.exists():
+        try:
+            return _read_int4_entry(path, *w.shape)
+        except Exception as e:  # noqa: BLE001 - whatever a damaged file raises, the weight is quantized again
+            log.warning("ignoring the int4 cache entry %s (%s); quantizing again", path, e)
+    q, scales_zeros = quantize_int4_groups(w)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_int4_entry(path, q, scales_zeros)
+    except OSError as e:
+        log.warning("could not write the int4 cache entry %s: %s", path, e)
+    return q, scales_zeros
+
+
+def _int4_entry_checksum(nibbles: torch.Tensor, scales_zeros: torch.Tensor) -> str:
+    digest = xxhash.xxh3_128(nibbles.numpy().data.cast("B"))
+    digest.update(scales_zeros.view(torch.int16).numpy().data.cast("B"))  # bf16's bits
+    return digest.hexdigest()
+
+
+def _write_int4_entry(path: Path, q: torch.Tensor, scales_zeros: torch.Tensor) -> None:
+    """q (N, K) in [0, 15] as nibbles (N, K/2) uint8, scales_zeros (bf16 numbers) as bf16, and a checksum."""
+    from safetensors.torch import save_file
+    nibbles = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+    sz = scales_zeros.to(torch.bfloat16)  # exact: quantize_int4_groups rounds s and z to bf16
+    tensors = {"nibbles": nibbles.contiguous(), "scales_zeros": sz.contiguous()}
+    atomic_write_bytes(path, lambda tmp: save_file(tensors, tmp, metadata={"checksum": _int4_entry_checksum(*tensors.values())}))
+
+
+def _read_int4_entry(path: Path, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q (N, K) int32, scales_zeros (K/group, N, 2) float32) from an entry _write_int4_entry wrote; raises
+    ValueError for anything else."""
+    from safetensors import safe_open
+    with safe_open(path, framework="pt") as f:
+        checksum = (f.metadata() or {}).get("checksum")
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    nibbles, sz = tensors.get("nibbles"), tensors.get("scales_zeros")
+    if (set(tensors) != {"nibbles", "scales_zeros"} or nibbles.dtype != torch.uint8 or sz.dtype != torch.bfloat16
+            or nibbles.shape != (N, K // 2) or sz.shape != (K // INT4_GROUP, N, 2)):
+        raise ValueError(f"not an int4 entry for a {N}x{K} weight: {({k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()})}")
+    if checksum != _int4_entry_checksum(nibbles, sz):
+        raise ValueError("checksum mismatch")
+    q = torch.stack([nibbles & 15, nibbles >> 4], dim=-1).view(N, K).to(torch.int32)
+    return q, sz.float()
 
 
 def _int4_dequantize(nibbles: torch.Tensor, scales_zeros: torch.Tensor, dtype) -> torch.Tensor:
@@ -584,7 +672,7 @@ def _pack_int8_both_engines(w, bias):
 
 def _pack_int4(packed: bool, unpacked: bool):
     def pack(w, bias):
-        q, scales_zeros = quantize_int4_groups(w)
+        q, scales_zeros = quantize_int4_groups_cached(w)
         tensors = {"scales_zeros": scales_zeros.to(torch.bfloat16)}
         if packed:  # the CPU kernel's own blocked layout, which needs N % 16 == 0: pad with zero weights
             pad = -q.size(0) % 16  # none in GPT-2's blocks: no padded copy of q then
