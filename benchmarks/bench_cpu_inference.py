@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -362,6 +363,36 @@ def export_model(src: str | None, preset: str, out: Path) -> Path:
     return out
 
 
+def prepare_workdir(work: Path, src: str | None, preset: str) -> Path:
+    """work/hf for this model, with work's GGUFs made from it: reused where work/source.json says they
+    are of this very model, else made again (a workdir reused for another preset, or a run trained again,
+    would otherwise give the other model's numbers)."""
+    source = model_source(src, preset)
+    record = work / "source.json"
+    if (work / "hf" / "config.json").exists() and record.exists() and json.loads(record.read_text()) == source:
+        return work / "hf"
+    shutil.rmtree(work / "hf", ignore_errors=True)
+    for stale in work.glob("model-*.gguf"):
+        stale.unlink()
+    model_dir = export_model(src, preset, work / "hf")
+    record.write_text(json.dumps(source, indent=1))
+    return model_dir
+
+
+def model_source(src: str | None, preset: str) -> dict:
+    """What a workdir's model is made from: the random preset, or src's weight and config files (path,
+    size, modification time: a run trained again differs)."""
+    if not src:
+        return {"preset": preset}
+    root = Path(src).resolve()
+    if not root.exists():  # a hub name
+        return {"src": src}
+    files = [root] if root.is_file() else sorted(
+        p for p in root.rglob("*") if p.is_file() and (p.suffix in (".safetensors", ".json", ".bin") or p.name == "LATEST"))
+    return {"src": str(root), "files": {str(p.relative_to(root.parent)): [p.stat().st_size, p.stat().st_mtime_ns]
+                                        for p in files}}
+
+
 def run_worker(kind: str, args, **extra) -> dict:
     python = str(BENCH_VENV / "bin/python") if "llama" in kind else sys.executable
     cmd = [python, __file__, "--worker", kind, "--decode-steps", str(args.decode_steps), "--prefill", str(args.prefill),
@@ -554,8 +585,7 @@ def main():
     if args.no_amx:
         print("AMX emulated away for ours and Transformers (--no-amx): " +
               ", ".join(f"{k}={v}" for k, v in args.no_amx_env.items()) + "; Inductor without AMX micro-kernels")
-    model_dir = export_model(args.quality, args.preset, work / "hf") if not (work / "hf" / "config.json").exists() \
-        else work / "hf"
+    model_dir = prepare_workdir(work, args.quality, args.preset)
     if args.quality:
         quality(args, model_dir, work)
         return
