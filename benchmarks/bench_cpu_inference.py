@@ -387,8 +387,8 @@ def model_source(src: str | None, preset: str) -> dict:
     root = Path(src).resolve()
     if not root.exists():  # a hub name
         return {"src": src}
-    files = [root] if root.is_file() else sorted(
-        p for p in root.rglob("*") if p.is_file() and (p.suffix in (".safetensors", ".json", ".bin") or p.name == "LATEST"))
+    model_file = lambda p: p.is_file() and (p.suffix in (".safetensors", ".json", ".bin") or p.name == "LATEST")
+    files = [root] if root.is_file() else sorted(filter(model_file, root.rglob("*")))
     return {"src": str(root), "files": {str(p.relative_to(root.parent)): [p.stat().st_size, p.stat().st_mtime_ns]
                                         for p in files}}
 

@@ -158,6 +158,16 @@ def int4_values(q: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
     return ((q.view(N, K // INT4_GROUP, -1).double() - 8) * sz[..., :1] + sz[..., 1:]).view(N, K)
 
 
+def int4_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """q (N, K) in [0, 15] -> (N, K/2) uint8, q[:, 2j] in the low nibble and q[:, 2j+1] in the high."""
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+
+
+def int4_from_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
+    """int4_nibbles' inverse: (N, K/2) uint8 -> q (N, K) uint8."""
+    return torch.stack((nibbles & 15, nibbles >> 4), dim=-1).view(nibbles.size(0), -1)
+
+
 # int4's search costs ~13 ns a weight and depends only on the weight: _pack_int4 keeps its result in the
 # user's cache, named by a hash of the weight's bytes, and a later load of the same checkpoint reads it
 # back instead of searching again (0.625 B a weight on disk, gpt2-xl's 0.9 GB; loading at int4, GPT-2 124M
@@ -220,10 +230,10 @@ def _int4_entry_checksum(nibbles: torch.Tensor, scales_zeros: torch.Tensor) -> s
 def _write_int4_entry(path: Path, q: torch.Tensor, scales_zeros: torch.Tensor) -> None:
     """q (N, K) in [0, 15] as nibbles (N, K/2) uint8, scales_zeros (bf16 numbers) as bf16, and a checksum."""
     from safetensors.torch import save_file
-    nibbles = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
-    sz = scales_zeros.to(torch.bfloat16)  # exact: quantize_int4_groups rounds s and z to bf16
-    tensors = {"nibbles": nibbles.contiguous(), "scales_zeros": sz.contiguous()}
-    atomic_write_bytes(path, lambda tmp: save_file(tensors, tmp, metadata={"checksum": _int4_entry_checksum(*tensors.values())}))
+    sz = scales_zeros.to(torch.bfloat16).contiguous()  # exact: quantize_int4_groups rounds s and z to bf16
+    tensors = {"nibbles": int4_nibbles(q).contiguous(), "scales_zeros": sz}
+    checksum = _int4_entry_checksum(*tensors.values())
+    atomic_write_bytes(path, lambda tmp: save_file(tensors, tmp, metadata={"checksum": checksum}))
 
 
 def _read_int4_entry(path: Path, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,17 +246,17 @@ def _read_int4_entry(path: Path, N: int, K: int) -> tuple[torch.Tensor, torch.Te
     nibbles, sz = tensors.get("nibbles"), tensors.get("scales_zeros")
     if (set(tensors) != {"nibbles", "scales_zeros"} or nibbles.dtype != torch.uint8 or sz.dtype != torch.bfloat16
             or nibbles.shape != (N, K // 2) or sz.shape != (K // INT4_GROUP, N, 2)):
-        raise ValueError(f"not an int4 entry for a {N}x{K} weight: {({k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()})}")
+        found = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+        raise ValueError(f"not an int4 entry for a {N}x{K} weight: {found}")
     if checksum != _int4_entry_checksum(nibbles, sz):
         raise ValueError("checksum mismatch")
-    q = torch.stack([nibbles & 15, nibbles >> 4], dim=-1).view(N, K).to(torch.int32)
-    return q, sz.float()
+    return int4_from_nibbles(nibbles).to(torch.int32), sz.float()
 
 
 def _int4_dequantize(nibbles: torch.Tensor, scales_zeros: torch.Tensor, dtype) -> torch.Tensor:
     """nibbles (N, K/2) uint8 (q[:, 2j] low, q[:, 2j+1] high) -> w (N, K) in dtype."""
     N = nibbles.size(0)
-    q = torch.stack((nibbles & 15, nibbles >> 4), dim=-1).view(N, -1)  # (N, K)
+    q = int4_from_nibbles(nibbles)  # (N, K)
     G = scales_zeros.size(0)
     sz = scales_zeros.to(dtype).transpose(0, 1)  # (N, K/group, 2)
     w = (q.view(N, G, -1).to(dtype) - 8) * sz[..., :1] + sz[..., 1:]
@@ -681,7 +691,7 @@ def _pack_int4(packed: bool, unpacked: bool):
             tensors["scales_zeros_padded"] = F.pad(tensors["scales_zeros"], (0, 0, 0, pad))  # (K/group, N + pad, 2)
             tensors["out_features"] = _Packed(q.size(0))
         if unpacked:
-            tensors["nibbles"] = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)  # (N, K/2)
+            tensors["nibbles"] = int4_nibbles(q)  # (N, K/2)
         return tensors
     return pack
 
