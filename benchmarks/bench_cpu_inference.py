@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/bench_cpu_inference.py --rounds 3
     .venv/bin/python benchmarks/bench_cpu_inference.py --preset gpt2-xl --rounds 1 --decode-steps 32 --no-hf
     .venv/bin/python benchmarks/bench_cpu_inference.py --quality runs/quickstart --data data/shakespeare
+    .venv/bin/python benchmarks/bench_cpu_inference.py --quality runs/quickstart runs/seed1 runs/seed2 --precisions float32 int4
     .venv/bin/python benchmarks/bench_cpu_inference.py --load --preset gpt2-xl --rounds 3   # seconds, peak RSS
 
 Every contender runs in its own subprocess (a fresh process: no allocator or thread-pool state
@@ -39,6 +40,8 @@ paired with the same window's at float32), ours less llama.cpp's increase (± it
 by window: whether one is really smaller), the mean KL divergence from that tool's float32 predictions (each
 worker computes both, in one process), and top-1 agreement with that tool's float32. With --compile,
 ours also through the compiled decode step, one token a step, against the same float32 predictions.
+Several models (`make demo`'s and `gpt2 train --preset quickstart --seed N --out runs/seedN`, say): each
+one's table, then ours Δ less llama.cpp's averaged over them, which a single model's roundings sway.
 
 llama.cpp comes from llama-cpp-python, built from source in the benchmark venv `.bench-venv` (make
 bench-cpu makes it); GGUFs are written by our own exporter (`gpt2 convert`), Q4_0 by
@@ -49,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -496,7 +500,20 @@ def loading(args, model_dir: Path, gguf_dir: Path) -> None:
         print(f"| {name} | {m['seconds']:.2f} | {m['peak_mb']:.0f} | {m['rss_mb']:.0f} |")
 
 
-def quality(args, model_dir: Path, gguf_dir: Path) -> None:
+def pooled_gaps(gaps: dict[str, list[tuple[float, float]]], models: int) -> None:
+    """Ours Δ less llama.cpp's, per precision, averaged over the models (each ± its standard error; the
+    models are independent): one model's gap carries how its roundings happen to fall against that text
+    (the first-order part, `int4_error_anatomy.py`), which averages out over models."""
+    print(f"\nours Δ ppl less llama.cpp's, the mean over {models} models (± its standard error):")
+    for name, per_model in gaps.items():
+        mean = sum(g for g, _ in per_model) / len(per_model)
+        se = math.sqrt(sum(e * e for _, e in per_model)) / len(per_model)
+        each = ", ".join(f"{g:+.3f}" for g, _ in per_model)
+        print(f"  {name}: {mean:+.3f} ± {se:.3f} (models: {each})")
+
+
+def quality(args, model_dir: Path, gguf_dir: Path) -> dict[str, tuple[float, float]]:
+    """The table for one model; returns each precision's ours Δ less llama.cpp's, (mean, standard error)."""
     import numpy as np
 
     from gpt2.shards import load_split
@@ -521,25 +538,31 @@ def quality(args, model_dir: Path, gguf_dir: Path) -> None:
     agree = lambda a, b: np.mean(np.asarray(a["argmax"]) == np.asarray(b["argmax"]))
     by_window = lambda r: np.asarray(r["window_nll"])
 
-    def increase(run, reference, peer=None) -> str:
+    gaps = {}
+
+    def increase(run, reference, peer=None, name=None) -> str:
         """The perplexity's increase over float32, ± its standard error over the windows (paired: the same
-        windows at both precisions); with the peer's run and reference, ours less the peer's increase too."""
+        windows at both precisions); with the peer's run and reference, ours less the peer's increase too
+        (kept in gaps[name])."""
         ppl = np.exp(reference["nll"])
         diff = by_window(run) - by_window(reference)  # (W,) each window's mean log-ratio
         text = f"{np.exp(run['nll']) - ppl:+.3f} ± {ppl * diff.std(ddof=1) / np.sqrt(len(diff)):.3f}"
         if peer is not None:  # ppl (Δnll_ours - Δnll_peer), paired by window: is one increase really smaller?
             gap = diff - (by_window(peer[0]) - by_window(peer[1]))
-            text += f" | {ppl * gap.mean():+.3f} ± {ppl * gap.std(ddof=1) / np.sqrt(len(gap)):.3f}"
+            gaps[name] = (float(ppl * gap.mean()), float(ppl * gap.std(ddof=1) / np.sqrt(len(gap))))
+            text += f" | {gaps[name][0]:+.3f} ± {gaps[name][1]:.3f}"
         return text
 
     for p in args.precisions:
         o, l = ours[p], peers[p]
-        print(f"| {p} | {np.exp(o['nll']):.3f} | {increase(o, ours['float32'], (l, peers['float32']))} | "
+        print(f"| {p} | {np.exp(o['nll']):.3f} | {increase(o, ours['float32'], (l, peers['float32']), p)} | "
               f"{o['kl']:.6f} | {agree(o, ours['float32']):.2%} | {LLAMA[p]} | {np.exp(l['nll']):.3f} | "
               f"{increase(l, peers['float32'])} | {l['kl']:.6f} | {agree(l, peers['float32']):.2%} |")
     for p, o in compiled.items():  # the compiled decode step's predictions, against the same float32 as above
-        print(f"| {p} compiled | {np.exp(o['nll']):.3f} | {increase(o, ours['float32'], (peers[p], peers['float32']))} | "
+        print(f"| {p} compiled | {np.exp(o['nll']):.3f} | "
+              f"{increase(o, ours['float32'], (peers[p], peers['float32']), f'{p} compiled')} | "
               f"{o['kl']:.6f} | {agree(o, ours['float32']):.2%} | | | | | |")
+    return {name: gap for name, gap in gaps.items() if not name.startswith("float32")}
 
 
 def main():
@@ -557,7 +580,9 @@ def main():
     ap.add_argument("--no-hf", action="store_true", help="skip Transformers")
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp (no benchmark venv)")
     ap.add_argument("--no-amx", action="store_true", help="ours and Transformers as on a CPU without AMX (above)")
-    ap.add_argument("--quality", metavar="MODEL", help="perplexity at each precision of this trained model")
+    ap.add_argument("--quality", metavar="MODEL", nargs="+",
+                    help="perplexity at each precision of these trained models (several: each one's table, then "
+                         "ours Δ less llama.cpp's over them all)")
     ap.add_argument("--load", action="store_true", help="loading instead: seconds, peak and final RSS (above)")
     ap.add_argument("--data", default="data/shakespeare", help="--quality: a `gpt2 prepare` output with a val split")
     ap.add_argument("--quality-windows", type=int, default=64)
@@ -585,10 +610,18 @@ def main():
     if args.no_amx:
         print("AMX emulated away for ours and Transformers (--no-amx): " +
               ", ".join(f"{k}={v}" for k, v in args.no_amx_env.items()) + "; Inductor without AMX micro-kernels")
-    model_dir = prepare_workdir(work, args.quality, args.preset)
     if args.quality:
-        quality(args, model_dir, work)
+        gaps = {}
+        for i, run in enumerate(args.quality):  # each model its own HF directory and GGUFs
+            model_work = work if len(args.quality) == 1 else work / f"model{i}"
+            model_work.mkdir(exist_ok=True)
+            print(f"\nmodel: {run}")
+            for name, gap in quality(args, prepare_workdir(model_work, run, args.preset), model_work).items():
+                gaps.setdefault(name, []).append(gap)
+        if len(args.quality) > 1:
+            pooled_gaps(gaps, len(args.quality))
         return
+    model_dir = prepare_workdir(work, None, args.preset)
     if args.load:
         loading(args, model_dir, work)
         return
