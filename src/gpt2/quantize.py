@@ -119,10 +119,8 @@ def quantize_int4_groups(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torc
         raise ConfigError(f"int4 needs in_features divisible by {group}, got {K}")
     q = torch.empty(N, K, dtype=torch.int32, device=w.device)
     scales_zeros = torch.empty(K // group, N, 2, device=w.device)
-    rows = max(1, INT4_SEARCH_BLOCK // K)  # a block of rows at a time: its passes over the spans stay in cache
-    for start in range(0, N, rows):
-        block = w[start:start + rows].detach().float().view(-1, K // group, group)
-        q[start:start + rows], scales_zeros[:, start:start + rows] = _int4_search(block)
+    for rows in row_blocks(w, INT4_SEARCH_BLOCK):  # a block at a time: its passes over the spans stay in cache
+        q[rows], scales_zeros[:, rows] = _int4_search(w[rows].detach().float().view(-1, K // group, group))
     return q, scales_zeros
 
 
