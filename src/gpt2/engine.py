@@ -59,6 +59,7 @@ from gpt2.config import GPT2_EOT
 from gpt2.errors import ConfigError, ContextLengthError
 from gpt2.kv_cache import KVCache
 from gpt2.sampling import SamplingConfig, SamplingState, accept_drafts, draw, greedy, make_generators, next_tokens
+from gpt2.user_cache import default_cache_dir, drop_least_recently_used, mark_used
 
 log = logging.getLogger(__name__)
 
@@ -417,7 +418,6 @@ def package_rows(rows: int) -> int | None:
 
 def package_directory() -> Path:
     """$XDG_CACHE_HOME/gpt2/compiled (default ~/.cache): the packaged decode steps."""
-    from gpt2.datasets import default_cache_dir
     return default_cache_dir() / "compiled"
 
 
@@ -448,7 +448,7 @@ def _load_or_build_package(model, inputs):
         start = time.perf_counter()
         try:
             runner = torch._inductor.aoti_load_package(str(path))
-            os.utime(path)  # recently used: the cache drops the least recently used first
+            mark_used(path)  # the cache drops the least recently used first
             log.info("loaded the compiled decode step from %s in %.1f s", path, time.perf_counter() - start)
             return runner
         except Exception as error:  # a truncated or corrupt file: compile it again
@@ -458,7 +458,7 @@ def _load_or_build_package(model, inputs):
     needed, available = PACKAGE_BUILD_BYTES_PER_WEIGHT_BYTE * compiled_weight_bytes(model), available_memory_bytes()
     if needed > available:
         raise MemoryError(f"building it needs ~{needed / 1e9:.1f} GB, {available / 1e9:.1f} GB available")
-    start = time.perf_counter()
+    start, started = time.perf_counter(), time.time()
     add_compile_weights(model)  # the plain weights export reads, for Inductor to pack; let go once it has
     rows = package_rows(inputs[0].size(0))
     log.info("compiling the decode step for %s rows into %s (once per model and machine)",
@@ -475,7 +475,7 @@ def _load_or_build_package(model, inputs):
         partial.unlink(missing_ok=True)
         del program
         drop_compile_weights(model)  # and the build's garbage handed back, before the package's weights are read in
-    _drop_least_recently_used(path.parent, keep=path)
+    drop_least_recently_used(path.parent.glob("decode-*.pt2"), PACKAGE_CACHE_BYTES, used_since=started)
     log.info("compiled the decode step in %.1f s", time.perf_counter() - start)
     return torch._inductor.aoti_load_package(str(path))
 
@@ -511,17 +511,6 @@ def _opaque_buffers_hidden(model):
     finally:
         for module, name, t in hidden:
             module._buffers[name] = t
-
-
-def _drop_least_recently_used(directory: Path, keep: Path) -> None:
-    packages = sorted((p.stat().st_mtime, p.stat().st_size, p) for p in directory.glob("decode-*.pt2"))
-    total = sum(size for _, size, _ in packages)
-    for _, size, old in packages:
-        if total <= PACKAGE_CACHE_BYTES:
-            break
-        if old != keep:
-            total -= size
-            old.unlink(missing_ok=True)
 
 
 def _inductor_config():

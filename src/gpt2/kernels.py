@@ -282,7 +282,7 @@ def shape_key(out_features: int, in_features: int, activation: str | None, preci
 
 
 def default_cache_path() -> Path:
-    from gpt2.datasets import default_cache_dir
+    from gpt2.user_cache import default_cache_dir
     return default_cache_dir() / "kernels.json"
 
 

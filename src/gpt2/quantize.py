@@ -46,6 +46,7 @@ import functools
 import itertools
 import logging
 import threading
+import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ import xxhash
 
 from gpt2.atomic import atomic_write_bytes
 from gpt2.errors import ConfigError
+from gpt2.user_cache import default_cache_dir, drop_least_recently_used, mark_used
 
 log = logging.getLogger(__name__)
 
@@ -178,12 +180,20 @@ def int4_from_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
 # int4's search costs ~13 ns a weight and depends only on the weight: _pack_int4 keeps its result in the
 # user's cache, named by a hash of the weight's bytes, and a later load of the same checkpoint reads it
 # back instead of searching again (0.625 B a weight on disk, gpt2-xl's 0.9 GB; loading at int4, GPT-2 124M
-# 2.4-2.6 -> 1.3 s, gpt2-xl 32-49 -> 11 s). Delete the directory at any time; loads refill it.
+# 2.4-2.6 -> 1.3 s, gpt2-xl 32-49 -> 11 s). Each int4 load then drops the least recently used entries
+# beyond INT4_CACHE_BYTES (user_cache.py). Delete the directory at any time; loads refill it.
+INT4_CACHE_BYTES = 4 << 30  # about four gpt2-xl models' entries (0.93 GB each)
+
 
 def int4_cache_directory() -> Path:
     """Where quantize_int4_groups_cached keeps its results: $XDG_CACHE_HOME/gpt2/int4 (~/.cache/gpt2/int4)."""
-    from gpt2.datasets import default_cache_dir
     return default_cache_dir() / "int4"
+
+
+def prune_int4_cache(used_since: float) -> int:
+    """Drop the least recently used int4 entries beyond INT4_CACHE_BYTES, none read or written since
+    used_since (time.time()); the bytes dropped."""
+    return drop_least_recently_used(int4_cache_directory().glob("*/*.safetensors"), INT4_CACHE_BYTES, used_since)
 
 
 @functools.cache
@@ -216,7 +226,9 @@ def quantize_int4_groups_cached(w: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     path = int4_cache_directory() / key[:2] / f"{key}.safetensors"
     if path.exists():
         try:
-            return _read_int4_entry(path, *w.shape)
+            entry = _read_int4_entry(path, *w.shape)
+            mark_used(path)
+            return entry
         except Exception as e:  # noqa: BLE001 - whatever a damaged file raises, the weight is quantized again
             log.warning("ignoring the int4 cache entry %s (%s); quantizing again", path, e)
     q, scales_zeros = quantize_int4_groups(w)
@@ -1217,7 +1229,7 @@ def load_for_inference(name_or_path, dtype: str = "float32", device=None, verbos
     if kv_dtype != "auto" and kv_dtype not in KV_DTYPES:
         raise ConfigError(f"kv_dtype {kv_dtype!r} is not supported; choose auto, {', '.join(KV_DTYPES)}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    plan = None
+    plan, started = None, time.time()
 
     @torch.no_grad()
     def place(model, name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -1236,6 +1248,8 @@ def load_for_inference(name_or_path, dtype: str = "float32", device=None, verbos
     model = GPT.from_pretrained(name_or_path, device=device, dtype=torch.float32, replace_linear=place)
     embedding_to_bf16(model)  # the lm_head comes last: the float32 table goes now
     return_freed_memory()
+    if dtype == "int4":
+        prune_int4_cache(used_since=started)  # this model's entries stay
     if kv_dtype == "auto":
         model.kv_dtype, why = kv_cache_dtype(model)
     else:

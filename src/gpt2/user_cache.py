@@ -1,0 +1,59 @@
+"""The user's cache directory, and keeping its rebuildable parts within a size.
+
+    from gpt2.user_cache import default_cache_dir, drop_least_recently_used
+    root = default_cache_dir()                       # $XDG_CACHE_HOME/gpt2, else ~/.cache/gpt2
+    drop_least_recently_used(root.glob("int4/*/*.safetensors"), max_bytes=4 << 30, used_since=start)
+
+What lives under it: the Shakespeare corpus (datasets.py), the kernel choices and other measurements
+(kernels.py, small JSON files), int4's quantized weights (quantize.py, `int4/`) and the packaged compiled
+decode steps (engine.py, `compiled/`). The last two grow with every model loaded (a package holds its
+weights: gpt2-xl's bf16 one is 3 GB), so each is kept to a size by dropping its least recently used
+entries; a reader marks an entry used by touching its mtime (mark_used). Every part can be deleted at
+any time: it is rebuilt when next needed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable
+
+
+def default_cache_dir() -> Path:
+    """This package's user cache: $XDG_CACHE_HOME/gpt2 (unset or empty: ~/.cache/gpt2)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpt2"
+
+
+def mark_used(path: Path) -> None:
+    """Touch path's mtime, the recency drop_least_recently_used reads; a read-only cache is left as it is."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def drop_least_recently_used(files: Iterable[Path], max_bytes: int, used_since: float) -> int:
+    """Delete the least recently used of files (oldest mtime first) until they hold at most max_bytes,
+    never one used at or after used_since (time.time(): what the caller's own work read or wrote, which
+    may then leave them above max_bytes). Files that vanish meanwhile (another process pruning) are
+    skipped. Returns the bytes deleted."""
+    entries = []
+    for path in files:
+        try:
+            stat = path.stat()
+        except OSError:
+            continue
+        entries.append((stat.st_mtime, stat.st_size, path))
+    total, freed = sum(size for _, size, _ in entries), 0
+    for mtime, size, path in sorted(entries):
+        if total <= max_bytes or mtime >= used_since:
+            break  # sorted by mtime: every later one was used since, too
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError:
+            continue  # cannot be deleted here: it still counts
+        total -= size
+        freed += size
+    return freed
