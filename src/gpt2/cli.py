@@ -11,6 +11,7 @@
     gpt2 eval perplexity --model gpt2 wiki.test.raw     # also: eval lambada, eval hellaswag
     gpt2 inspect gpt2 --mode decode --past 1023         # the architecture sheet
     gpt2 inspect gpt2 --prompt "The cat" --format html  # ... and what a model computes on a prompt
+    gpt2 cache [--clear int4 compiled]                  # what ~/.cache/gpt2 holds; clearing parts of it
 
 Each subcommand has an `add_<name>_parser(subparsers)` that declares its flags and a `cmd_<name>(args)`
 that turns them into one config and one library call. Flag choices come from the tables that own
@@ -528,6 +529,31 @@ def cmd_serve(args):
 
 
 # ---------------------------------------------------------------------------------------------
+# cache
+# ---------------------------------------------------------------------------------------------
+
+def add_cache_parser(sub):
+    p = sub.add_parser("cache", help="what ~/.cache/gpt2 holds (compiled steps, int4 weights, measurements, "
+                                     "the corpus), and clearing it")
+    p.add_argument("--clear", nargs="+", metavar="PART", choices=["compiled", "int4", "measurements", "shakespeare"],
+                   help="delete these parts (compiled, int4, measurements, shakespeare); each is rebuilt when "
+                        "next needed")
+    p.set_defaults(func=cmd_cache)
+
+
+def cmd_cache(args):
+    from gpt2 import user_cache
+    for part in args.clear or []:
+        print(f"cleared {part}: {user_cache.clear(part) / 1e6:,.1f} MB")
+    print(f"cache: {user_cache.default_cache_dir()}")
+    print(f"{'part':<14} {'files':>7} {'MB':>10}  kept within")
+    for part, (directory, files, budget) in user_cache.parts().items():
+        size = sum(p.stat().st_size for p in files if p.exists())
+        limit = "-" if budget is None else f"{budget / 2**30:g} GiB, least recently used dropped first"
+        print(f"{part:<14} {len(files):>7} {size / 1e6:>10,.1f}  {limit}")
+
+
+# ---------------------------------------------------------------------------------------------
 # entry point
 # ---------------------------------------------------------------------------------------------
 
@@ -541,6 +567,7 @@ PARSERS = [  # in the order of a user's journey: look, tokenize, prepare, train,
     add_serve_parser,
     add_eval_parser,
     add_inspect_parser,
+    add_cache_parser,
 ]
 
 

