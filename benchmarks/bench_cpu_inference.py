@@ -504,12 +504,18 @@ def pooled_gaps(gaps: dict[str, list[tuple[float, float]]], models: int) -> None
     """Ours Δ less llama.cpp's, per precision, averaged over the models (each ± its standard error; the
     models are independent): one model's gap carries how its roundings happen to fall against that text
     (the first-order part, `int4_error_anatomy.py`), which averages out over models."""
-    print(f"\nours Δ ppl less llama.cpp's, the mean over {models} models (± its standard error):")
+    print(f"\nours Δ ppl less llama.cpp's, the mean over {models} models (± its standard error from the windows; "
+          f"± the models' standard deviation / √{models}, which also counts how much the gap varies from model "
+          f"to model):")
     for name, per_model in gaps.items():
-        mean = sum(g for g, _ in per_model) / len(per_model)
-        se = math.sqrt(sum(e * e for _, e in per_model)) / len(per_model)
+        n = len(per_model)
+        mean = sum(g for g, _ in per_model) / n
+        se = math.sqrt(sum(e * e for _, e in per_model)) / n
+        spread = math.sqrt(sum((g - mean) ** 2 for g, _ in per_model) / (n - 1) / n) if n > 1 else float("nan")
+        below = sum(g < 0 for g, _ in per_model)
         each = ", ".join(f"{g:+.3f}" for g, _ in per_model)
-        print(f"  {name}: {mean:+.3f} ± {se:.3f} (models: {each})")
+        print(f"  {name}: {mean:+.3f} ± {se:.3f} (windows) ± {spread:.3f} (between models); below llama.cpp's "
+              f"on {below} of {n} (models: {each})")
 
 
 def quality(args, model_dir: Path, gguf_dir: Path) -> dict[str, tuple[float, float]]:
