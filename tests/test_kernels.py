@@ -239,6 +239,8 @@ def test_an_int4_load_drops_the_least_recently_used_entries_but_its_own(tmp_path
     quantize.load_for_inference(tmp_path / "other", "int4")  # within the budget: nothing dropped
     others = set(directory.rglob("*.safetensors")) - own - measured
     assert len(others) == len(own) and all(path.stat().st_mtime > 1e9 for path in others)
+    for path in others | measured:  # used a while ago (the last seconds count as in use: MTIME_SLACK_SECONDS)
+        os.utime(path, (1.5e9, 1.5e9))
     monkeypatch.setattr(quantize, "INT4_CACHE_BYTES", 1)
     quantize.load_for_inference(tmp_path / "model", "int4")  # reads its entries back, drops the rest
     assert set(directory.rglob("*.safetensors")) == own
@@ -752,6 +754,42 @@ def test_a_plan_measured_under_an_isa_limit_serves_that_limit_only(kernel_cache,
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     assert kernels.machine_key() == plain  # a plain run's key is unchanged: its entries stay valid
     assert kernels.plan_for(tiny_model(), "float32").source == "cache"
+
+
+def test_other_processes_cpu_time_is_seen_while_kernels_are_measured():
+    """others_cpu_share counts the CPU time other processes take: busy loops on every core take most of
+    it, an idle interval little; this process's own work is not counted."""
+    import os
+    import subprocess
+    import sys
+    if kernels._cpu_busy_seconds() is None:
+        pytest.skip("no /proc/stat here")
+    with kernels.others_cpu_share() as own:  # this process busy, nothing else
+        end = time.perf_counter() + 0.5
+        while time.perf_counter() < end:
+            pass
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        time.sleep(0.3)  # running
+        with kernels.others_cpu_share() as busy:
+            time.sleep(1.0)
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+    assert busy.share > 0.6 and own.share < busy.share - 0.3, (own.share, busy.share)
+
+
+def test_a_plan_measured_on_a_busy_machine_is_kept_with_a_warning(kernel_cache, monkeypatch, caplog):
+    clock = iter([0.0, 1e6])  # /proc/stat: every CPU busy for a long time while it measured
+    monkeypatch.setattr(kernels, "_cpu_busy_seconds", lambda: next(clock))
+    with caplog.at_level(logging.WARNING, logger="gpt2.kernels"):
+        plan = kernels.plan_for(tiny_model(), "float32")
+    assert plan.source == "measured" and plan.busy_share == 1.0
+    assert any("100% of the CPUs while the float32 kernels were measured" in r.getMessage() for r in caplog.records)
+    assert "while other processes took 100% of the CPUs" in plan.describe()
+    again = kernels.plan_for(tiny_model(), "float32")  # kept: read back, with no note
+    assert again.source == "cache" and again.choices == plan.choices and "other processes" not in again.describe()
 
 
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 999, "entries": {}}),

@@ -51,7 +51,8 @@ where the keys are bf16 numbers already and one-query attention over a bf16 cach
 Results are cached per CPU model and features, torch version, thread count, the ISA limits set in the
 environment (ISA_VARIABLES: ONEDNN_MAX_CPU_ISA=AVX2 is another machine) and candidate list, in
 $XDG_CACHE_HOME/gpt2/kernels.json (default ~/.cache), written atomically. A corrupt or foreign file
-is ignored with one warning and measured again.
+is ignored with one warning and measured again. A measurement taken while other processes held more
+than BUSY_SHARE of the CPUs is kept with a warning (`gpt2 cache --clear measurements` measures again).
 """
 
 from __future__ import annotations
@@ -213,6 +214,7 @@ class Plan:
     machine: dict
     choices: dict[str, Choice]   # shape_key -> choice
     source: str = "measured"     # or "cache"
+    busy_share: float | None = None  # measured here: the share of the CPUs other processes took meanwhile
 
     def choice_for(self, out_features: int, in_features: int, activation: str | None,
                    precision: str | None = None) -> Choice:
@@ -227,7 +229,9 @@ class Plan:
     def describe(self) -> str:
         m = self.machine
         lines = [f"kernels for {self.precision} on {m['cpu']} ({', '.join(m['features']) or 'no bf16/VNNI/AMX flags'}; "
-                 f"torch {m['torch']}, {m['threads']} threads), {self.source}:"]
+                 f"torch {m['torch']}, {m['threads']} threads), {self.source}"
+                 + (f" while other processes took {100 * self.busy_share:.0f}% of the CPUs (`gpt2 cache --clear "
+                    "measurements` measures again)" if (self.busy_share or 0) > BUSY_SHARE else "") + ":"]
         for key, c in self.choices.items():
             lines.append(f"  {key}: {c.format}  " + "  ".join(f"{r}={c.paths[r]}" for r in REGIMES))
             if len(c.turn) > 1:
@@ -306,14 +310,63 @@ def plan_for(model, precision: str, device_type: str | None = None, cache_path: 
     cache_path = cache_path or default_cache_path()
     entries = _read_cache(cache_path)
     missing = [key for key, shape in shapes.items() if _entry_key(machine, *shape) not in entries]
-    for turn in _turns(missing, shapes):
-        measured = measure_shapes(shapes[turn[0]][0], [shapes[key][1:] for key in turn])
-        for key, choice in zip(turn, measured):
-            entries[_entry_key(machine, *shapes[key])] = asdict(choice)
+    source, busy_share = "cache", None
     if missing:
+        with others_cpu_share() as busy:
+            for turn in _turns(missing, shapes):
+                measured = measure_shapes(shapes[turn[0]][0], [shapes[key][1:] for key in turn])
+                for key, choice in zip(turn, measured):
+                    entries[_entry_key(machine, *shapes[key])] = asdict(choice)
         _write_cache(cache_path, entries)
+        warn_if_busy(busy, f"the {precision} kernels")
+        source, busy_share = "measured", busy.share
     choices = {key: Choice(**entries[_entry_key(machine, *shape)]) for key, shape in shapes.items()}
-    return Plan(precision, machine, choices, "measured" if missing else "cache")
+    return Plan(precision, machine, choices, source, busy_share)
+
+
+# A measurement is only as good as the machine was quiet: where other processes (or, on a VM, its host:
+# steal time) took more than this share of the CPUs while one ran, a slower kernel may have been timed
+# faster, and the choice is cached. It is kept, with a warning that says how to measure again.
+BUSY_SHARE = 0.25
+
+
+class others_cpu_share:
+    """with others_cpu_share() as busy: ...; busy.share is then the fraction of all the CPUs' time that
+    went to other processes (and steal) meanwhile, from /proc/stat less this process's own CPU time;
+    None where /proc/stat cannot be read (not Linux) or the interval was too short to tell."""
+
+    def __enter__(self):
+        self.share = None
+        self.start = (time.perf_counter(), time.process_time(), _cpu_busy_seconds())
+        return self
+
+    def __exit__(self, *exc):
+        wall, own, busy = (time.perf_counter(), time.process_time(), _cpu_busy_seconds())
+        if busy is not None and self.start[2] is not None and wall - self.start[0] >= 0.2:
+            others = (busy - self.start[2]) - (own - self.start[1])
+            self.share = min(1.0, max(0.0, others / ((wall - self.start[0]) * (os.cpu_count() or 1))))
+        return False
+
+
+def _cpu_busy_seconds() -> float | None:
+    """Seconds all CPUs spent busy (user, nice, system, irq, softirq, steal) since boot, from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def warn_if_busy(busy: others_cpu_share, what: str) -> None:
+    """A warning where other processes took more than BUSY_SHARE of the CPUs while `what` was measured."""
+    if busy.share is not None and busy.share > BUSY_SHARE:
+        log.warning("other processes took %.0f%% of the CPUs while %s were measured: a slower kernel may have "
+                    "been timed faster, and the choice is cached (`gpt2 cache --clear measurements` measures again)",
+                    100 * busy.share, what)
 
 
 def _turns(keys: list[str], shapes: dict) -> list[list[str]]:
@@ -368,8 +421,10 @@ def cached_measurement(name: str, key: dict, measure, validate=lambda entry: Non
     full_key = json.dumps({**machine_key(), **key}, sort_keys=True)
     if full_key in entries:
         return entries[full_key], "cache"
-    entries[full_key] = measure()
+    with others_cpu_share() as busy:
+        entries[full_key] = measure()
     _write_cache(path, entries, MEASUREMENT_CACHE_VERSION)
+    warn_if_busy(busy, f"the {name} choices")
     return entries[full_key], "measured"
 
 

@@ -35,11 +35,17 @@ def mark_used(path: Path) -> None:
         pass
 
 
+# A file's mtime comes from the kernel's coarse clock, a tick (up to ~10 ms) behind time.time(): a file
+# touched just after time.time() was read can carry an mtime before it. Anything this close counts as used.
+MTIME_SLACK_SECONDS = 2.0
+
+
 def drop_least_recently_used(files: Iterable[Path], max_bytes: int, used_since: float) -> int:
     """Delete the least recently used of files (oldest mtime first) until they hold at most max_bytes,
     never one used at or after used_since (time.time(): what the caller's own work read or wrote, which
-    may then leave them above max_bytes). Files that vanish meanwhile (another process pruning) are
-    skipped. Returns the bytes deleted."""
+    may then leave them above max_bytes; MTIME_SLACK_SECONDS earlier counts too). Files that vanish
+    meanwhile (another process pruning) are skipped. Returns the bytes deleted."""
+    used_since -= MTIME_SLACK_SECONDS
     entries = []
     for path in files:
         try:
