@@ -1307,9 +1307,10 @@ def test_compiled_decode_of_a_second_model_or_machine_uses_its_own_graph(tmp_pat
     from torch._dynamo.utils import counters
     ids = torch.tensor([PROMPTS[0] + PROMPTS[2]])  # (1, 11)
     this_machine = kernels.machine_key()
-    # The lm_head (int8 in an int4 model) pinned to weight-only int8: a graph holding a u8s8 engine's packed
-    # weight is never stored in Inductor's cache (engine.compiled_decode_step), and whether the measurement
-    # picks one for the decode regime depends on the timing (under load it did, and no entry was hit).
+    # The lm_head (int8 in an int4 model) pinned to weight-only int8: a graph names a u8s8 engine's packed
+    # weight by its handle, a number counted per process (quantize._Packed), so model 1's second copy (new
+    # handles) would never hit its first one's entry; whether the measurement picks a u8s8 path for the
+    # decode regime depends on the timing (under load it did, and no entry was hit).
     plan = kernels.plan_for(tiny_model(), "int4")
     plan.choices = {key: dataclasses.replace(choice, format="weight-only", paths=dict.fromkeys(choice.paths, "int8pack_mm"))
                     if "@int8" in key else choice for key, choice in plan.choices.items()}
