@@ -337,14 +337,14 @@ class others_cpu_share:
 
     def __enter__(self):
         self.share = None
-        self.start = (time.perf_counter(), time.process_time(), _cpu_busy_seconds())
+        self.wall, self.own, self.busy = time.perf_counter(), time.process_time(), _cpu_busy_seconds()
         return self
 
     def __exit__(self, *exc):
-        wall, own, busy = (time.perf_counter(), time.process_time(), _cpu_busy_seconds())
-        if busy is not None and self.start[2] is not None and wall - self.start[0] >= 0.2:
-            others = (busy - self.start[2]) - (own - self.start[1])
-            self.share = min(1.0, max(0.0, others / ((wall - self.start[0]) * (os.cpu_count() or 1))))
+        wall, own, busy = time.perf_counter() - self.wall, time.process_time() - self.own, _cpu_busy_seconds()
+        if busy is not None and self.busy is not None and wall >= 0.2:  # /proc/stat counts in 10 ms ticks
+            others = (busy - self.busy) - own  # every CPU's busy seconds, less this process's own
+            self.share = min(1.0, max(0.0, others / (wall * (os.cpu_count() or 1))))
         return False
 
 
