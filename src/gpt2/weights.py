@@ -431,9 +431,12 @@ def _read_tensors(where: Path, readers: list, model: GPT, layout: str, dtype, de
                 continue
             # Allocate the final tensor once and stream the file into it (transposed view if needed).
             file_dtype = reader.dtype(key)
-            tensor = torch.zeros(expected[name].shape, dtype=dtype or (
+            tensor = torch.empty(expected[name].shape, dtype=dtype or (  # read_into fills every element
                 file_dtype if file_dtype.is_floating_point else torch.float32))
-            destination = tensor[: config.vocab_size] if name == "transformer.wte.weight" else tensor
+            destination = tensor
+            if name == "transformer.wte.weight":
+                destination = tensor[: config.vocab_size]
+                tensor[config.vocab_size:].zero_()  # the padding rows no file holds
             reader.read_into(key, destination.t() if transpose else destination, buffer)
             seen.add(name)
             yield name, (tensor.to(device) if device is not None else tensor)
