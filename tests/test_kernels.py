@@ -10,6 +10,7 @@ a float64 product with weights dequantized here, independently of quantize.py's 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -1442,6 +1443,41 @@ def test_a_corrupt_package_is_compiled_again(monkeypatch, tmp_path, caplog):
         assert generate(loaded, [PROMPTS[0]], max_new_tokens=8, compile=True) == expected
     assert any("does not load" in r.getMessage() for r in caplog.records) and len(compiled) == 2
     assert list(tmp_path.glob("*decode-*")) == [package] and package.read_bytes() == b"a package"
+
+
+def test_a_decode_step_compiled_on_a_busy_machine_says_so(monkeypatch, tmp_path, caplog):
+    """Compiling the decode step autotunes its GEMMs, which a busy machine times wrong, and the package (or
+    Inductor's cache, for torch.compile's graphs) keeps the choice: a warning says so and how to build it
+    again. Only where it compiled: a graph taken from Inductor's cache (no miss counted) says nothing.
+    AOTInductor and torch.compile stand in here (their packages and graphs: the tests around this one)."""
+    from types import SimpleNamespace
+
+    from torch._dynamo.utils import counters
+    monkeypatch.setattr(engine, "package_directory", lambda: tmp_path)
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package",
+                        lambda program, package_path, inductor_configs: (tmp_path / package_path).write_bytes(b"a package"))
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda path: lambda ids, positions, slot, keys, k, v:
+                        engine.decode_step(model, ids, positions, slot, keys, SimpleNamespace(k=k, v=v)))
+    model = apply_plan(tiny_model(), kernels.plan_for(tiny_model(), "bfloat16"))
+    expected = generate(model, [PROMPTS[0]], max_new_tokens=6)
+    busy_machine(monkeypatch, itertools.repeat(0.9))
+    with caplog.at_level(logging.WARNING, logger="gpt2.kernels"):
+        assert generate(model, [PROMPTS[0]], max_new_tokens=6, compile=True) == expected
+    (warning,) = [r.getMessage() for r in caplog.records if "compiled" in r.getMessage()]
+    assert "90% of the CPUs while the decode step was compiled" in warning and "gpt2 cache --clear compiled" in warning
+
+    monkeypatch.setattr(engine, "PACKAGE_DECODE_STEPS", False)  # torch.compile's graph, compiled or from its cache
+    for compiles in (1, 0):
+        def step(*args):
+            counters["inductor"]["fxgraph_cache_miss"] += compiles
+            return engine.decode_step(*args)
+        model = apply_plan(tiny_model(), kernels.plan_for(tiny_model(), "bfloat16"))
+        monkeypatch.setitem(engine._compiled_decode_steps, model, step)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="gpt2.kernels"):
+            assert generate(model, [PROMPTS[0]], max_new_tokens=6, compile=True) == expected
+        warnings = [r.getMessage() for r in caplog.records if "compiled" in r.getMessage()]
+        assert len(warnings) == compiles and all("Inductor's cache keeps what was chosen" in w for w in warnings)
 
 
 @pytest.mark.parametrize("fmt", ["mkl", "onednn"])

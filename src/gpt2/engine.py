@@ -468,9 +468,13 @@ def _load_or_build_package(model, inputs):
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".partial-{os.getpid()}-{path.name}")  # .pt2 at the end, as AOTInductor requires
     try:
+        from gpt2.kernels import others_cpu_share, warn_if_busy
         options = {**compile_options(model, "cpu"), **PACKAGE_OPTIONS}
-        torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=options)
+        with others_cpu_share() as cpus:  # its GEMMs are autotuned: timed, as kernels.py times them
+            torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=options)
         os.replace(partial, path)  # atomic: a reader sees the whole package or none
+        warn_if_busy(cpus, "the decode step was compiled (its GEMMs autotuned)", "the package keeps what was "
+                     f"chosen (`gpt2 cache --clear compiled` builds it again; {path})")
     finally:
         partial.unlink(missing_ok=True)
         del program
@@ -640,10 +644,19 @@ def checked_compiled_step(model, args) -> torch.Tensor:
     torch._dynamo.mark_dynamic(keys, 1)
     for layer_cache in list(cache.k) + list(cache.v):  # (B, nh, capacity, hs) each
         torch._dynamo.mark_dynamic(layer_cache, 2)
+    from gpt2.kernels import others_cpu_share, warn_if_busy
     options = compile_options(model, keys.device.type)
     options["post_grad_custom_post_pass"] = cache_key_pass(model)  # the cache key names weights and machine
-    with _inductor_config().patch(options):
-        return compiled_decode_step(model)(*args)
+    from torch._dynamo.utils import counters
+    misses = counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_bypass"]
+    with _inductor_config().patch(options), others_cpu_share() as cpus:
+        logits = compiled_decode_step(model)(*args)
+    compiled = counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_bypass"] > misses
+    if options.get("max_autotune_gemm") and compiled:  # a graph compiled here, its GEMMs timed
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        warn_if_busy(cpus, "the decode step was compiled (its GEMMs autotuned)", "Inductor's cache keeps what "
+                     f"was chosen (delete {cache_dir()} to compile it again)")
+    return logits
 
 
 def unchecked_compiled_step(model, args) -> torch.Tensor:

@@ -332,7 +332,7 @@ def plan_for(model, precision: str, device_type: str | None = None, cache_path: 
     marks = [busy[entry] for entry in entry_keys.values() if entry in busy]  # choices kept from a busy machine
     busy_measurements = max((mark["measurements"] for mark in marks), default=0)
     if source == "measured":
-        warn_if_busy(cpus, f"the {precision} kernels", busy_measurements)
+        warn_if_busy(cpus, f"the {precision} kernels were measured", _measured_again(busy_measurements))
     if marks:
         busy_share = max(mark["share"] for mark in marks)
     choices = {key: Choice(**entries[entry]) for key, entry in entry_keys.items()}
@@ -402,15 +402,20 @@ def _cpu_busy_seconds() -> float | None:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def warn_if_busy(busy: others_cpu_share, what: str, measurements: int) -> None:
-    """A warning where other processes took more than BUSY_SHARE of the CPUs while `what` was measured,
-    for the measurements'th time (_keep_quietest)."""
+def warn_if_busy(busy: others_cpu_share, what: str, then: str) -> None:
+    """A warning where other processes took more than BUSY_SHARE of the CPUs while `what` ran (kernels
+    were timed), saying what follows (`then`)."""
     if busy.share is not None and busy.share > BUSY_SHARE:
-        then = ("it is measured again at the next load" if measurements < BUSY_MEASUREMENTS else
-                f"after {measurements} such measurements the quietest is kept (`gpt2 cache --clear measurements` "
-                "measures again)")
-        log.warning("other processes took %.0f%% of the CPUs while %s were measured: a slower kernel may have "
-                    "been timed faster; %s", 100 * busy.share, what, then)
+        log.warning("other processes took %.0f%% of the CPUs while %s: a slower kernel may have been timed "
+                    "faster; %s", 100 * busy.share, what, then)
+
+
+def _measured_again(measurements: int) -> str:
+    """What follows the measurements'th busy measurement of a cache entry (_keep_quietest)."""
+    if measurements < BUSY_MEASUREMENTS:
+        return "it is measured again at the next load"
+    return (f"after {measurements} such measurements the quietest is kept (`gpt2 cache --clear measurements` "
+            "measures again)")
 
 
 def _turns(keys: list[str], shapes: dict) -> list[list[str]]:
@@ -473,7 +478,7 @@ def cached_measurement(name: str, key: dict, measure, validate=lambda entry: Non
         result = measure()
     _keep_quietest(entries, busy, full_key, result, cpus.share)
     _write_cache(path, entries, busy, MEASUREMENT_CACHE_VERSION)
-    warn_if_busy(cpus, f"the {name} choices", busy.get(full_key, {}).get("measurements", 0))
+    warn_if_busy(cpus, f"the {name} choices were measured", _measured_again(busy.get(full_key, {}).get("measurements", 0)))
     return entries[full_key], "measured"
 
 
