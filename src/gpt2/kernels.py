@@ -373,20 +373,51 @@ def _keep_quietest(entries: dict, busy: dict, entry: str, result, share: float |
 
 class others_cpu_share:
     """with others_cpu_share() as busy: ...; busy.share is then the fraction of all the CPUs' time that
-    went to other processes (and steal) meanwhile, from /proc/stat less this process's own CPU time;
+    went to other processes (and steal) meanwhile, from /proc/stat less the CPU time of this process and
+    of the processes it started (a compile's C++ compilers and worker pool: its own work, not load);
     None where /proc/stat cannot be read (not Linux) or the interval was too short to tell."""
 
     def __enter__(self):
         self.share = None
-        self.wall, self.own, self.busy = time.perf_counter(), time.process_time(), _cpu_busy_seconds()
+        self.wall, self.own, self.busy = time.perf_counter(), _own_cpu_seconds(), _cpu_busy_seconds()
         return self
 
     def __exit__(self, *exc):
-        wall, own, busy = time.perf_counter() - self.wall, time.process_time() - self.own, _cpu_busy_seconds()
+        wall, own, busy = time.perf_counter() - self.wall, _own_cpu_seconds() - self.own, _cpu_busy_seconds()
         if busy is not None and self.busy is not None and wall >= 0.2:  # /proc/stat counts in 10 ms ticks
             others = (busy - self.busy) - own  # every CPU's busy seconds, less this process's own
             self.share = min(1.0, max(0.0, others / (wall * (os.cpu_count() or 1))))
         return False
+
+
+def _own_cpu_seconds() -> float:
+    """CPU seconds of this process, of its children it waited for, and of its live descendants (with the
+    children each of those waited for), from /proc; this process's alone where /proc cannot be read."""
+    times = os.times()
+    own = times.user + times.system + times.children_user + times.children_system
+    try:
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return own
+    parents, cpu = {}, {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": the name may hold spaces
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        # fields[1]: ppid; fields[11:15]: utime, stime, cutime, cstime in clock ticks
+        parents[pid] = int(fields[1])
+        cpu[pid] = sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    for pid, parent in parents.items():
+        children.setdefault(parent, []).append(pid)
+    stack = list(children.get(os.getpid(), []))
+    while stack:
+        pid = stack.pop()
+        own += cpu[pid]
+        stack += children.get(pid, [])
+    return own
 
 
 def _cpu_busy_seconds() -> float | None:
