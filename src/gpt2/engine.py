@@ -649,7 +649,7 @@ def checked_compiled_step(model, args) -> torch.Tensor:
     options["post_grad_custom_post_pass"] = cache_key_pass(model)  # the cache key names weights and machine
     from torch._dynamo.utils import counters
     misses = counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_bypass"]
-    with _inductor_config().patch(options), others_cpu_share() as cpus:
+    with _inductor_config().patch(options), others_cpu_share(scan_at_entry=False) as cpus:  # read if it compiled
         logits = compiled_decode_step(model)(*args)
     compiled = counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_bypass"] > misses
     if options.get("max_autotune_gemm") and compiled:  # a graph compiled here, its GEMMs timed

@@ -375,30 +375,57 @@ class others_cpu_share:
     """with others_cpu_share() as busy: ...; busy.share is then the fraction of all the CPUs' time that
     went to other processes (and steal) meanwhile, from /proc/stat less the CPU time of this process and
     of the processes it started (a compile's C++ compilers and worker pool: its own work, not load);
-    None where /proc/stat cannot be read (not Linux) or the interval was too short to tell."""
+    None where /proc/stat cannot be read (not Linux) or the interval was too short to tell.
+
+    Its descendants' time comes from a scan of /proc (~1 ms). With scan_at_entry=False, for a caller that
+    seldom reads the share (a compiled step, which compiles at few of its calls), nothing is scanned unless
+    .share is read, which should then be at once (descendants that end before the read are missed); a
+    descendant's time before the interval counts as this process's own work (the share can only come out
+    lower)."""
+
+    def __init__(self, scan_at_entry: bool = True):
+        self.scan_at_entry = scan_at_entry
 
     def __enter__(self):
-        self.share = None
-        self.wall, self.own, self.busy = time.perf_counter(), _own_cpu_seconds(), _cpu_busy_seconds()
+        self._share, self._end = None, None
+        self._start = (time.perf_counter(), _process_cpu_seconds(), _cpu_busy_seconds(),
+                       _descendants_cpu_seconds() if self.scan_at_entry else 0.0)
         return self
 
     def __exit__(self, *exc):
-        wall, own, busy = time.perf_counter() - self.wall, _own_cpu_seconds() - self.own, _cpu_busy_seconds()
-        if busy is not None and self.busy is not None and wall >= 0.2:  # /proc/stat counts in 10 ms ticks
-            others = (busy - self.busy) - own  # every CPU's busy seconds, less this process's own
-            self.share = min(1.0, max(0.0, others / (wall * (os.cpu_count() or 1))))
+        self._end = (time.perf_counter(), _process_cpu_seconds(), _cpu_busy_seconds())
+        if self.scan_at_entry:
+            self._settle()  # the descendants read now, at the interval's end
         return False
 
+    @property
+    def share(self) -> float | None:
+        self._settle()
+        return self._share
 
-def _own_cpu_seconds() -> float:
-    """CPU seconds of this process, of its children it waited for, and of its live descendants (with the
-    children each of those waited for), from /proc; this process's alone where /proc cannot be read."""
+    def _settle(self) -> None:
+        if self._end is not None and self._share is None:
+            (wall, own, busy, descendants), (wall_end, own_end, busy_end) = self._start, self._end
+            wall, self._end = wall_end - wall, None
+            if busy is not None and busy_end is not None and wall >= 0.2:  # /proc/stat counts in 10 ms ticks
+                own = own_end - own + _descendants_cpu_seconds() - descendants
+                others = busy_end - busy - own  # every CPU's busy seconds, less this process's and its own
+                self._share = min(1.0, max(0.0, others / (wall * (os.cpu_count() or 1))))
+
+
+def _process_cpu_seconds() -> float:
+    """CPU seconds of this process and of the children it waited for."""
     times = os.times()
-    own = times.user + times.system + times.children_user + times.children_system
+    return times.user + times.system + times.children_user + times.children_system
+
+
+def _descendants_cpu_seconds() -> float:
+    """CPU seconds of this process's live descendants, with the children each of those waited for, from
+    /proc; 0.0 where /proc cannot be read."""
     try:
         pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
     except OSError:
-        return own
+        return 0.0
     parents, cpu = {}, {}
     for pid in pids:
         try:
@@ -412,12 +439,12 @@ def _own_cpu_seconds() -> float:
     children: dict[int, list[int]] = {}
     for pid, parent in parents.items():
         children.setdefault(parent, []).append(pid)
-    stack = list(children.get(os.getpid(), []))
+    total, stack = 0.0, list(children.get(os.getpid(), []))
     while stack:
         pid = stack.pop()
-        own += cpu[pid]
+        total += cpu[pid]
         stack += children.get(pid, [])
-    return own
+    return total
 
 
 def _cpu_busy_seconds() -> float | None:
