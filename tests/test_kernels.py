@@ -776,7 +776,8 @@ def test_other_processes_cpu_time_is_seen_while_kernels_are_measured(scan_at_ent
             pass
         children = [subprocess.Popen(loop) for _ in range(cores)]
         time.sleep(0.5)
-        waited = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 0.3\nwhile time.time() < end: pass"])
+        burst = "import time\nend = time.time() + 0.3\nwhile time.time() < end: pass"
+        waited = subprocess.Popen([sys.executable, "-c", burst])
         waited.wait()
     own_share = own.share  # read at once: a lazy reading scans for the descendants when read
     for child in children:
@@ -784,8 +785,8 @@ def test_other_processes_cpu_time_is_seen_while_kernels_are_measured(scan_at_ent
         child.wait()
     # Busy loops that are not this process's descendants: started by a shell that exits at once, so that
     # they are handed to init (or the nearest subreaper)
-    started = subprocess.run(["sh", "-c", " ".join(f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!;"
-                                                     for _ in range(cores))], capture_output=True, text=True, check=True)
+    script = " ".join(f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!;" for _ in range(cores))
+    started = subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=True)
     others = [int(pid) for pid in started.stdout.split()]
     try:
         time.sleep(0.3)  # running
@@ -1473,8 +1474,9 @@ def test_a_decode_step_compiled_on_a_busy_machine_says_so(monkeypatch, tmp_path,
 
     from torch._dynamo.utils import counters
     monkeypatch.setattr(engine, "package_directory", lambda: tmp_path)
-    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package",
-                        lambda program, package_path, inductor_configs: (tmp_path / package_path).write_bytes(b"a package"))
+    def compile_package(program, package_path, inductor_configs):
+        (tmp_path / package_path).write_bytes(b"a package")
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compile_package)
     monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda path: lambda ids, positions, slot, keys, k, v:
                         engine.decode_step(model, ids, positions, slot, keys, SimpleNamespace(k=k, v=v)))
     model = apply_plan(tiny_model(), kernels.plan_for(tiny_model(), "bfloat16"))

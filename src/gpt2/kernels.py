@@ -536,7 +536,8 @@ def cached_measurement(name: str, key: dict, measure, validate=lambda entry: Non
         result = measure()
     _keep_quietest(entries, busy, full_key, result, cpus.share)
     _write_cache(path, entries, busy, MEASUREMENT_CACHE_VERSION)
-    warn_if_busy(cpus, f"the {name} choices were measured", _measured_again(busy.get(full_key, {}).get("measurements", 0)))
+    measurements = busy.get(full_key, {}).get("measurements", 0)
+    warn_if_busy(cpus, f"the {name} choices were measured", _measured_again(measurements))
     return entries[full_key], "measured"
 
 
