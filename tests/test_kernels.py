@@ -775,7 +775,7 @@ def test_other_processes_cpu_time_is_seen_while_kernels_are_measured(scan_at_ent
         while time.perf_counter() < end:
             pass
         children = [subprocess.Popen(loop) for _ in range(cores)]
-        time.sleep(0.5)
+        time.sleep(1.0)
         burst = "import time\nend = time.time() + 0.3\nwhile time.time() < end: pass"
         waited = subprocess.Popen([sys.executable, "-c", burst])
         waited.wait()
@@ -795,7 +795,8 @@ def test_other_processes_cpu_time_is_seen_while_kernels_are_measured(scan_at_ent
     finally:
         for pid in others:
             os.kill(pid, signal.SIGKILL)
-    assert busy.share > 0.6 and own_share < 0.3, (own_share, busy.share)
+    # own_share: ~0 here; counting the children as others gives ~0.65 (their loops ran most of the interval)
+    assert busy.share > 0.6 and own_share < busy.share - 0.5, (own_share, busy.share)
 
 
 def test_a_plan_measured_on_a_busy_machine_is_measured_again_when_quiet(kernel_cache, monkeypatch, caplog):
