@@ -331,6 +331,8 @@ def _torch_compiled_step(model):
 # the compiled step, packaged: compiled once per model, machine and batch size, then loaded from a file
 # ---------------------------------------------------------------------------------------------
 
+COMPILING = "the decode step was compiled (its GEMMs autotuned)"  # what a busy-machine warning names
+
 PACKAGE_DECODE_STEPS = True  # False: every compiled step through torch.compile (tests of Dynamo's own paths)
 PACKAGE_CACHE_BYTES = 8 << 30  # the packages kept (least recently used dropped first); each holds its weights
 # One package serves 1 to PACKAGE_ROWS rows (the rows dynamic), the decode and batch regimes in which a FastLinear
@@ -473,7 +475,7 @@ def _load_or_build_package(model, inputs):
         with others_cpu_share() as cpus:  # its GEMMs are autotuned: timed, as kernels.py times them
             torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=options)
         os.replace(partial, path)  # atomic: a reader sees the whole package or none
-        warn_if_busy(cpus, "the decode step was compiled (its GEMMs autotuned)", "the package keeps what was "
+        warn_if_busy(cpus, COMPILING, "the package keeps what was "
                      f"chosen (`gpt2 cache --clear compiled` builds it again; {path})")
     finally:
         partial.unlink(missing_ok=True)
@@ -654,7 +656,7 @@ def checked_compiled_step(model, args) -> torch.Tensor:
     compiled = counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_bypass"] > misses
     if options.get("max_autotune_gemm") and compiled:  # a graph compiled here, its GEMMs timed
         from torch._inductor.runtime.cache_dir_utils import cache_dir
-        warn_if_busy(cpus, "the decode step was compiled (its GEMMs autotuned)", "Inductor's cache keeps what "
+        warn_if_busy(cpus, COMPILING, "Inductor's cache keeps what "
                      f"was chosen (delete {cache_dir()} to compile it again)")
     return logits
 

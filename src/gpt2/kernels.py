@@ -426,7 +426,7 @@ def _descendants_cpu_seconds() -> float:
         pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
     except OSError:
         return 0.0
-    parents, cpu = {}, {}
+    parents, cpu, tick = {}, {}, os.sysconf("SC_CLK_TCK")
     for pid in pids:
         try:
             with open(f"/proc/{pid}/stat") as f:
@@ -435,7 +435,7 @@ def _descendants_cpu_seconds() -> float:
             continue  # exited meanwhile
         # fields[1]: ppid; fields[11:15]: utime, stime, cutime, cstime in clock ticks
         parents[pid] = int(fields[1])
-        cpu[pid] = sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+        cpu[pid] = sum(int(x) for x in fields[11:15]) / tick
     children: dict[int, list[int]] = {}
     for pid, parent in parents.items():
         children.setdefault(parent, []).append(pid)
