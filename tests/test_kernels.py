@@ -58,9 +58,9 @@ def fake_clock(monkeypatch, seconds):
                         [seconds(path, copies, x) for copies, b, activation, x in turn])
 
 
-def tiny_model(seed=0):
+def tiny_model(seed=0, n_layer: int = CONFIG.n_layer):
     torch.manual_seed(seed)
-    model = GPT(CONFIG).eval()
+    model = GPT(dataclasses.replace(CONFIG, n_layer=n_layer)).eval()
     with torch.no_grad():  # wider logits than the 0.02 init: greedy decoding has no near-ties
         for p in model.parameters():
             p.mul_(8) if p.dim() == 2 else None
@@ -1564,39 +1564,55 @@ def test_int8s_engines_and_plain_models_compile_through_torch_compile():
 
 @pytest.mark.slow
 def test_compiled_decode_of_every_format_equals_eager(monkeypatch):
-    """Every format of every precision and each of its decode paths, forced on every linear (the
+    """Every format of every precision and each of its decode paths, forced on its own layers (the
     measured plan differs from run to run, and each must compile: MKL-packed weights, oneDNN's, the
-    int4 kernel's and the u8s8 engines' TorchScript objects behind their custom op). ~20 models compile
-    in one process: past Dynamo's recompile limit of 8 per code object.
+    int4 kernel's and the u8s8 engines' TorchScript objects behind their custom op). One model per
+    precision holds them all, layer by layer (mixed_model): a compile costs 5-50 s here, one per
+    (format, path) took ~20 of them.
 
     On a CPU the compiled step may compute a GEMM with Inductor's own template instead of the eager
     path's kernel (engine.compile_options), with its own order of summation and its own bf16 rounding
     of the output: each step's logits are then within twice the precision's kernel tolerance of the
     eager ones (each of the two within one of the exact product), and float32 decodes the same tokens."""
-    monkeypatch.setattr(engine, "PACKAGE_DECODE_STEPS", False)  # torch.compile: ~20 packages would take minutes
+    monkeypatch.setattr(engine, "PACKAGE_DECODE_STEPS", False)  # torch.compile: packages take longer to build
     ids = torch.tensor([PROMPTS[0] + PROMPTS[2] + [77, 150, 33, 9, 260]])  # (1, 16)
     def parts_kernels(fmt):  # a combined format's paths that are its parts' own: compiled there already
         return {k for part in fmt.parts for k in format_named(fmt.precision, part).paths.values()}
-    for fmt, path in [(f, p) for f in CPU_FORMATS if f.available() for p in f.paths
-                      if p not in f.many_row_paths and f.paths[p] not in parts_kernels(f)]:
-        plan = kernels.plan_for(tiny_model(), fmt.precision)
-        plan.choices = {k: c if "@" in k else kernels.Choice(fmt.name, {r: path for r in kernels.REGIMES}, {})
-                        for k, c in plan.choices.items()}  # "@": int4's int8 lm_head keeps its own
-        model = apply_plan(tiny_model(), plan)
+    pairs = [(f, p) for f in CPU_FORMATS if f.available() for p in f.paths
+             if p not in f.many_row_paths and f.paths[p] not in parts_kernels(f)]
+    for precision in PRECISIONS:
+        model, placed = mixed_model([(f, p) for f, p in pairs if f.precision == precision])
         compiled, eager = compiled_and_eager_logits(model, ids, prompt_length=4)
-        tolerance = 2 * kernels.TOLERANCE[fmt.precision]
+        tolerance = 2 * kernels.TOLERANCE[precision]
         difference = ((compiled - eager).abs().max() / eager.abs().max()).item()
-        assert difference <= tolerance, f"{fmt.precision} {fmt.name} {path}: {difference:.1e}"
-        if fmt.precision == "float32":
+        assert difference <= tolerance, f"{precision} {placed}: {difference:.1e}"
+        if precision == "float32":
             assert (generate(model, PROMPTS, max_new_tokens=12, compile=True)
-                    == generate(model, PROMPTS, max_new_tokens=12)), f"{fmt.name} {path}"
+                    == generate(model, PROMPTS, max_new_tokens=12)), placed
+
+
+def mixed_model(pairs: list[tuple]) -> tuple[GPT, list[str]]:
+    """tiny_model, with (format, path) pairs of one precision forced in turn on its linears (each pair on
+    at least one: there are more linears than pairs), and what went where, to name in a failure."""
+    model = tiny_model(n_layer=max(CONFIG.n_layer, math.ceil((len(pairs) - 1) / 4))).float()
+    layers = quantize.linear_layers(model)
+    assert len(layers) >= len(pairs)
+    placed = []
+    for i, (parent, attr, linear, activation) in enumerate(layers):
+        fmt, path = pairs[i % len(pairs)]
+        quantize.place_planned_linear(forced_plan(fmt, path, model), parent, attr, linear.weight, linear.bias,
+                                      activation, "cpu")
+        placed.append(f"{attr}: {fmt.name} {path}")
+    quantize.embedding_to_bf16(model)
+    return model.eval(), placed
 
 
 # --- the KV cache's dtype (load_for_inference's kv_dtype="auto") -----------------------------------
 
-def forced_plan(fmt, path: str) -> kernels.Plan:
-    """tiny_model's plan with every linear of fmt's precision in fmt, on path at every regime."""
-    plan = kernels.plan_for(tiny_model(), fmt.precision)
+def forced_plan(fmt, path: str, model: GPT | None = None) -> kernels.Plan:
+    """model's plan (tiny_model's by default) with every linear of fmt's precision in fmt, on path at every
+    regime."""
+    plan = kernels.plan_for(model or tiny_model(), fmt.precision)
     plan.choices = {k: c if "@" in k else kernels.Choice(fmt.name, {r: path for r in kernels.REGIMES}, {})
                     for k, c in plan.choices.items()}  # "@": int4's int8 lm_head keeps its own
     return plan
