@@ -1434,6 +1434,36 @@ def test_a_packaged_decode_step_decodes_as_eager_and_a_later_model_loads_it(prec
     assert engine.package_path(other, inputs) not in packages and engine.package_path(again, inputs) in packages
 
 
+@pytest.mark.slow
+def test_an_int4_decode_step_is_packaged_with_its_u8s8_lm_head_outside(monkeypatch):
+    """int4's blocks (int4pack_mm) package; its int8 lm_head on a u8s8 engine (a TorchScript object, which a
+    package cannot hold) runs eagerly after the package's ln_f. The logits are the eager step's within
+    int4's tolerance, a later model loads the file and decodes the same, and each row count gets a
+    package of its own (engine.ROWS_STATIC_PRECISIONS)."""
+    from conftest import assert_greedy_up_to_near_ties
+    plan = kernels.plan_for(tiny_model(), "int4")
+    plan.choices = {key: dataclasses.replace(choice, format="dynamic fbgemm", paths=dict.fromkeys(choice.paths, "u8s8 dynamic"))
+                    if "@int8" in key else choice for key, choice in plan.choices.items()}  # the lm_head
+    model = apply_plan(tiny_model(), plan)
+    assert engine.lm_head_outside(model) and engine.PackagedDecodeStep.applies(model)
+    ids = torch.tensor([PROMPTS[0] + PROMPTS[2]])  # (1, 11)
+    before = set(engine.package_directory().glob("decode-*.pt2"))
+    compiled, eager = compiled_and_eager_logits(model, ids, prompt_length=4)
+    assert isinstance(engine._compiled_decode_steps[model], engine.PackagedDecodeStep)
+    assert ((compiled - eager).abs().max() / eager.abs().max()).item() <= 2 * kernels.TOLERANCE["int4"]
+    expected = generate(model, PROMPTS[:1], max_new_tokens=12, compile=True)
+    assert_greedy_up_to_near_ties(model, PROMPTS[:1], expected, 2 * kernels.TOLERANCE["int4"])
+    assert len(set(engine.package_directory().glob("decode-*.pt2")) - before) == 1
+    assert engine.package_rows(model, 1) == 1 and engine.package_rows(model, 3) == 3  # one per row count
+    bf16 = apply_plan(tiny_model(), kernels.plan_for(tiny_model(), "bfloat16"))
+    assert engine.package_rows(bf16, 1) is None and engine.package_rows(bf16, 3) is None  # one for 1-32 rows
+
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("compiled again")
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiling)
+    assert generate(apply_plan(tiny_model(), plan), PROMPTS[:1], max_new_tokens=12, compile=True) == expected
+
+
 def test_a_corrupt_package_is_compiled_again(monkeypatch, tmp_path, caplog):
     """A package file that does not load (truncated, overwritten) is compiled again, with a warning, and
     the new one replaces it atomically. AOTInductor stands in here for speed: its package is a marker

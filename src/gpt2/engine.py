@@ -312,7 +312,7 @@ def compiled_decode_step(model):
     step = _compiled_decode_steps.get(model)
     if step is None:
         if PACKAGE_DECODE_STEPS and PackagedDecodeStep.applies(model):
-            step = _compiled_decode_steps[model] = PackagedDecodeStep()  # builds with add_compile_weights
+            step = _compiled_decode_steps[model] = PackagedDecodeStep(model)  # builds with add_compile_weights
         else:
             step = _compiled_decode_steps[model] = _torch_compiled_step(model)
     return step
@@ -349,7 +349,8 @@ PACKAGE_BUILD_BYTES_PER_WEIGHT_BYTE = 6.5
 
 
 class _StepModule(torch.nn.Module):
-    """decode_step as a module for torch.export, the model its submodule (its weights lifted as such)."""
+    """decode_step as a module for torch.export, the model its submodule (its weights lifted as such).
+    Where the lm_head stays outside the package (lm_head_outside), the step returns ln_f's output (B, C)."""
 
     def __init__(self, model):
         super().__init__()
@@ -357,6 +358,34 @@ class _StepModule(torch.nn.Module):
 
     def forward(self, ids, positions, slot, keys, k: list, v: list):
         return decode_step(self.model, ids, positions, slot, keys, SimpleNamespace(k=k, v=v))
+
+
+def _holds_engine_objects(layer) -> bool:
+    """A FastLinear whose weights include a u8s8 engine's packed object (a TorchScript object, which a
+    graph names by a handle that holds in this process only): such a layer cannot be packaged."""
+    from gpt2.quantize import _Packed
+    return any(isinstance(t, _Packed) and isinstance(t.obj, torch.ScriptObject) for t in layer.tensors.values())
+
+
+def lm_head_outside(model) -> bool:
+    """An int4 model's lm_head is int8, most often on a u8s8 engine, while its blocks are int4pack_mm:
+    its package then ends at ln_f and the lm_head runs eagerly after it (one call a step, the same kernel
+    a compiled graph calls through its custom op), so that the step still loads from a file."""
+    return _holds_engine_objects(model.lm_head)
+
+
+@contextlib.contextmanager
+def _lm_head_left_out(model):
+    """The model without its lm_head while it exports (identity: GPT.forward's logits are then ln_f's output,
+    (B, 1, C), which the vocabulary slice keeps whole), where lm_head_outside."""
+    if not lm_head_outside(model):
+        yield
+        return
+    lm_head, model.lm_head = model.lm_head, torch.nn.Identity()
+    try:
+        yield
+    finally:
+        model.lm_head = lm_head
 
 
 class PackagedDecodeStep:
@@ -369,8 +398,9 @@ class PackagedDecodeStep:
     weights, and loaded in 2-3 s by any later process: under $XDG_CACHE_HOME/gpt2/compiled, keyed by
     the weights (weights_digest), the machine (kernels.machine_key), the inputs' dtypes, the compile
     options and this package's code. The batch's rows are dynamic too, up to PACKAGE_ROWS: one package
-    serves generate and every row count of the scheduler. It runs as a C++ function: no guards, no Python
-    wrapper. A corrupt package is compiled again; where export or AOTInductor fails, or building would
+    serves generate and every row count of the scheduler (int4: one per row count, ROWS_STATIC_PRECISIONS).
+    It runs as a C++ function: no guards, no Python wrapper. An lm_head on a u8s8 engine (int4's int8 one)
+    runs after it, eagerly (lm_head_outside). A corrupt package is compiled again; where export or AOTInductor fails, or building would
     not fit in memory, checked_compiled_step falls back to torch.compile. The cache keeps
     PACKAGE_CACHE_BYTES.
 
@@ -378,28 +408,32 @@ class PackagedDecodeStep:
     holds its own, and the model's eager paths read their packed copies (gpt2-xl in bf16: 3.1 GB).
     """
 
-    def __init__(self):
+    def __init__(self, model):
         self.runners: dict[tuple, object] = {}  # (package_rows, cache dtype) -> the loaded package
+        self.lm_head_outside = lm_head_outside(model)  # read once: each step asks
 
     @staticmethod
     def applies(model) -> bool:
-        """A model whose every linear is packed for inference (FastLinear), on a CPU, whose compiled paths
-        read tensors only: not int8's u8s8 engines (TorchScript objects, named in the graph by a handle
-        that holds in this process only)."""
-        from gpt2.quantize import FastLinear, _Packed, linear_layers
+        """A model whose every linear is packed for inference (FastLinear), on a CPU, whose blocks' compiled
+        paths read tensors only: not int8's u8s8 engines (_holds_engine_objects). An lm_head on one runs
+        outside the package (lm_head_outside)."""
+        from gpt2.quantize import FastLinear, linear_layers
         layers = [layer for _, _, layer, _ in linear_layers(model)]
         if model.transformer.wte.weight.device.type != "cpu" or not all(isinstance(x, FastLinear) for x in layers):
             return False
-        return not any(isinstance(t, _Packed) and not isinstance(t.obj, torch.Tensor)
-                       for layer in layers for t in layer.tensors.values())
+        if lm_head_outside(model) and model.config.n_embd > model.config.vocab_size:
+            return False  # GPT.forward's vocabulary slice would cut the hidden state the package returns
+        return not any(_holds_engine_objects(layer) for layer in layers if layer is not model.lm_head)
 
     def __call__(self, model, ids, positions, slot, keys, cache) -> torch.Tensor:
         # keys is a view of the (B, capacity) mask: a copy, so that no stride ties its length to the capacity
         inputs = (ids, positions, slot, keys.clone(memory_format=torch.contiguous_format), list(cache.k), list(cache.v))
-        key = (package_rows(ids.size(0)), cache.k[0].dtype)
+        key = (package_rows(model, ids.size(0)), cache.k[0].dtype)
         runner = self.runners.get(key)
         if runner is None:
             runner = self.runners[key] = _load_or_build_package(model, inputs)
+        if self.lm_head_outside:
+            return model.lm_head(runner(*inputs))[:, : model.config.vocab_size]  # (B, C) -> (B, V)
         return runner(*inputs)  # (B, V)
 
 
@@ -408,14 +442,27 @@ def compiled_step_rows(model, rows: int, available: int) -> int:
     as many where one package takes every row count (PackagedDecodeStep, up to PACKAGE_ROWS), else the
     power of two from rows up, so that torch.compile builds few graphs (1, 2, 4, ...). Padding 5 rows
     to 8 cost 9-11% a step (bf16 124M: 10.6 against 11.4-12.0 ms)."""
-    if rows <= PACKAGE_ROWS and isinstance(compiled_decode_step(model), PackagedDecodeStep):
+    if isinstance(compiled_decode_step(model), PackagedDecodeStep) and package_rows(model, rows) is None:
         return rows
     return min(available, 1 << (rows - 1).bit_length())
 
 
-def package_rows(rows: int) -> int | None:
-    """The rows a package is built for: None for the one with 1 to PACKAGE_ROWS rows, else that many."""
-    return None if rows <= PACKAGE_ROWS else rows
+def package_rows(model, rows: int) -> int | None:
+    """The rows a package is built for: None for the one with 1 to PACKAGE_ROWS rows, else that many.
+    An int4 model gets a package for each row count (ROWS_STATIC_PRECISIONS)."""
+    static = _rows_static.get(model)
+    if static is None:  # a scheduler asks every step: the layers are looked at once
+        from gpt2.quantize import FastLinear
+        static = _rows_static[model] = any(layer.format.precision in ROWS_STATIC_PRECISIONS
+                                           for layer in model.modules() if isinstance(layer, FastLinear))
+    return None if rows <= PACKAGE_ROWS and not static else rows
+
+
+# Inductor's int4 GEMMs compiled for a dynamic row count ran 8 rows ~1.2x slower than compiled for 8 (GPT-2
+# 124M, a step 18.5 against 15.4 ms on an Intel Xeon with AMX, the same at 1 row; BENCHMARKS.md): batch 8
+# would give 2.5x batch 1's tokens instead of 3.3x. Such models get one package per row count.
+ROWS_STATIC_PRECISIONS = {"int4"}
+_rows_static: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> whether package_rows is static
 
 
 def package_directory() -> Path:
@@ -428,8 +475,9 @@ def package_path(model, inputs) -> Path:
     from gpt2.kernels import machine_key
     ids, positions, slot, keys, k, v = inputs
     described = {"weights": weights_digest(model), "machine": machine_key(), "code": _code_digest(),
+                 "lm_head": "outside" if lm_head_outside(model) else "inside",
                  "options": {**compile_options(model, "cpu"), **PACKAGE_OPTIONS}, "layers": len(k),
-                 "rows": package_rows(ids.size(0)), "inputs": [str(t.dtype) for t in (ids, positions, slot, keys)]
+                 "rows": package_rows(model, ids.size(0)), "inputs": [str(t.dtype) for t in (ids, positions, slot, keys)]
                  + [(str(t.dtype), t.size(1), t.size(3)) for t in (k[0], v[0])]}
     key = hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:32]
     return package_directory() / f"decode-{key}.pt2"
@@ -462,10 +510,10 @@ def _load_or_build_package(model, inputs):
         raise MemoryError(f"building it needs ~{needed / 1e9:.1f} GB, {available / 1e9:.1f} GB available")
     start, started = time.perf_counter(), time.time()
     add_compile_weights(model)  # the plain weights export reads, for Inductor to pack; let go once it has
-    rows = package_rows(inputs[0].size(0))
+    rows = package_rows(model, inputs[0].size(0))
     log.info("compiling the decode step for %s rows into %s (once per model and machine)",
              f"1 to {PACKAGE_ROWS}" if rows is None else rows, path)
-    with _opaque_buffers_hidden(model):
+    with _opaque_buffers_hidden(model), _lm_head_left_out(model):
         program = _export_step(model, inputs, rows)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".partial-{os.getpid()}-{path.name}")  # .pt2 at the end, as AOTInductor requires
