@@ -458,9 +458,9 @@ def package_rows(model, rows: int) -> int | None:
     return None if rows <= PACKAGE_ROWS and not static else rows
 
 
-# Inductor's int4 GEMMs compiled for a dynamic row count ran 8 rows ~1.2x slower than compiled for 8 (GPT-2
-# 124M, a step 18.5 against 15.4 ms on an Intel Xeon with AMX, the same at 1 row; BENCHMARKS.md): batch 8
-# would give 2.5x batch 1's tokens instead of 3.3x. Such models get one package per row count.
+# An int4 step compiled for a dynamic row count ran slower than one compiled for its rows (GPT-2 124M on an
+# Intel Xeon with AMX, a step at 8 rows 18.6 against 14.4-14.8 ms, at 1 row 5.7-6.3 against 5.2; BENCHMARKS.md).
+# Such models get one package per row count.
 ROWS_STATIC_PRECISIONS = {"int4"}
 _rows_static: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> whether package_rows is static
 
