@@ -1442,8 +1442,9 @@ def test_an_int4_decode_step_is_packaged_with_its_u8s8_lm_head_outside(monkeypat
     package of its own (engine.ROWS_STATIC_PRECISIONS)."""
     from conftest import assert_greedy_up_to_near_ties
     plan = kernels.plan_for(tiny_model(), "int4")
-    plan.choices = {key: dataclasses.replace(choice, format="dynamic fbgemm", paths=dict.fromkeys(choice.paths, "u8s8 dynamic"))
-                    if "@int8" in key else choice for key, choice in plan.choices.items()}  # the lm_head
+    u8s8 = {"format": "dynamic fbgemm", "paths": dict.fromkeys(kernels.REGIMES, "u8s8 dynamic")}
+    plan.choices = {key: dataclasses.replace(choice, **u8s8) if "@int8" in key else choice
+                    for key, choice in plan.choices.items()}  # the lm_head (int8 in an int4 model)
     model = apply_plan(tiny_model(), plan)
     assert engine.lm_head_outside(model) and engine.PackagedDecodeStep.applies(model)
     ids = torch.tensor([PROMPTS[0] + PROMPTS[2]])  # (1, 11)

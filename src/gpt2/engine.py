@@ -400,9 +400,9 @@ class PackagedDecodeStep:
     options and this package's code. The batch's rows are dynamic too, up to PACKAGE_ROWS: one package
     serves generate and every row count of the scheduler (int4: one per row count, ROWS_STATIC_PRECISIONS).
     It runs as a C++ function: no guards, no Python wrapper. An lm_head on a u8s8 engine (int4's int8 one)
-    runs after it, eagerly (lm_head_outside). A corrupt package is compiled again; where export or AOTInductor fails, or building would
-    not fit in memory, checked_compiled_step falls back to torch.compile. The cache keeps
-    PACKAGE_CACHE_BYTES.
+    runs after it, eagerly (lm_head_outside). A corrupt package is compiled again; where export or
+    AOTInductor fails, or building would not fit in memory, checked_compiled_step falls back to
+    torch.compile. The cache keeps PACKAGE_CACHE_BYTES.
 
     The plain weights export reads (add_compile_weights) are kept only while a package builds: the package
     holds its own, and the model's eager paths read their packed copies (gpt2-xl in bf16: 3.1 GB).
@@ -477,7 +477,8 @@ def package_path(model, inputs) -> Path:
     described = {"weights": weights_digest(model), "machine": machine_key(), "code": _code_digest(),
                  "lm_head": "outside" if lm_head_outside(model) else "inside",
                  "options": {**compile_options(model, "cpu"), **PACKAGE_OPTIONS}, "layers": len(k),
-                 "rows": package_rows(model, ids.size(0)), "inputs": [str(t.dtype) for t in (ids, positions, slot, keys)]
+                 "rows": package_rows(model, ids.size(0)),
+                 "inputs": [str(t.dtype) for t in (ids, positions, slot, keys)]
                  + [(str(t.dtype), t.size(1), t.size(3)) for t in (k[0], v[0])]}
     key = hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:32]
     return package_directory() / f"decode-{key}.pt2"
