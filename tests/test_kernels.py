@@ -1363,6 +1363,16 @@ def compiled_and_eager_logits(model, ids: torch.Tensor, prompt_length: int) -> t
     return torch.stack(compiled), torch.stack(eager)
 
 
+def int4_lm_head_on(fmt: str, path: str) -> kernels.Plan:
+    """tiny_model's int4 plan with its lm_head (int8 in an int4 model, the "@int8" key) in fmt, on path at
+    every regime: which the measurement picks depends on the timing."""
+    plan = kernels.plan_for(tiny_model(), "int4")
+    plan.choices = {key: dataclasses.replace(choice, format=fmt, paths=dict.fromkeys(kernels.REGIMES, path))
+                    if "@int8" in key else choice for key, choice in plan.choices.items()}
+    assert sum("@int8" in key for key in plan.choices) == 1  # the lm_head
+    return plan
+
+
 @pytest.mark.slow
 def test_compiled_decode_of_a_second_model_or_machine_uses_its_own_graph(tmp_path, monkeypatch):
     """Inductor's on-disk graph cache keyed a frozen graph by its shapes and kept the int4 constants it
@@ -1378,10 +1388,7 @@ def test_compiled_decode_of_a_second_model_or_machine_uses_its_own_graph(tmp_pat
     # weight by its handle, a number counted per process (quantize._Packed), so model 1's second copy (new
     # handles) would never hit its first one's entry; whether the measurement picks a u8s8 path for the
     # decode regime depends on the timing (under load it did, and no entry was hit).
-    plan = kernels.plan_for(tiny_model(), "int4")
-    plan.choices = {key: dataclasses.replace(choice, format="weight-only", paths=dict.fromkeys(choice.paths, "int8pack_mm"))
-                    if "@int8" in key else choice for key, choice in plan.choices.items()}
-    assert sum("@int8" in key for key in plan.choices) == 1  # the lm_head
+    plan = int4_lm_head_on("weight-only", "int8pack_mm")
     hits = []
     for seed, machine in [(1, this_machine), (2, this_machine), (1, this_machine), (1, {"cpu": "another CPU"})]:
         # the third: model 1's weights again, in a model of its own, reuse the entry; the fourth: elsewhere
@@ -1441,10 +1448,7 @@ def test_an_int4_decode_step_is_packaged_with_its_u8s8_lm_head_outside(monkeypat
     int4's tolerance, a later model loads the file and decodes the same, and each row count gets a
     package of its own (engine.ROWS_STATIC_PRECISIONS)."""
     from conftest import assert_greedy_up_to_near_ties
-    plan = kernels.plan_for(tiny_model(), "int4")
-    u8s8 = {"format": "dynamic fbgemm", "paths": dict.fromkeys(kernels.REGIMES, "u8s8 dynamic")}
-    plan.choices = {key: dataclasses.replace(choice, **u8s8) if "@int8" in key else choice
-                    for key, choice in plan.choices.items()}  # the lm_head (int8 in an int4 model)
+    plan = int4_lm_head_on("dynamic fbgemm", "u8s8 dynamic")
     model = apply_plan(tiny_model(), plan)
     assert engine.lm_head_outside(model) and engine.PackagedDecodeStep.applies(model)
     ids = torch.tensor([PROMPTS[0] + PROMPTS[2]])  # (1, 11)
@@ -1628,11 +1632,11 @@ def mixed_model(pairs: list[tuple]) -> tuple[GPT, list[str]]:
     model = tiny_model(n_layer=max(CONFIG.n_layer, math.ceil((len(pairs) - 1) / 4))).float()
     layers = quantize.linear_layers(model)
     assert len(layers) >= len(pairs)
+    plans = [forced_plan(fmt, path, model) for fmt, path in pairs]  # each read from the plan cache once
     placed = []
     for i, (parent, attr, linear, activation) in enumerate(layers):
-        fmt, path = pairs[i % len(pairs)]
-        quantize.place_planned_linear(forced_plan(fmt, path, model), parent, attr, linear.weight, linear.bias,
-                                      activation, "cpu")
+        (fmt, path), plan = pairs[i % len(pairs)], plans[i % len(pairs)]
+        quantize.place_planned_linear(plan, parent, attr, linear.weight, linear.bias, activation, "cpu")
         placed.append(f"{attr}: {fmt.name} {path}")
     quantize.embedding_to_bf16(model)
     return model.eval(), placed
