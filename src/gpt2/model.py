@@ -74,15 +74,17 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, mask: torch.Tensor | None = None):
         B, T, C = x.shape
-        qkv = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head)  # (B, T, 3, nh, hs)
+        # (B, T, 3, nh, hs), in c_attn's dtype: float32, or bf16 from a layer packed below float32
+        qkv = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, nh, T, hs): 2 ops, not 7 (decode pays per op)
         if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)  # (B, nh, P + T, hs), P = positions already cached
-            if k.dtype != q.dtype:  # a bfloat16 cache (GPT.kv_dtype): half the bytes each step reads
-                if torch.compiler.is_compiling():
-                    k, v = k.to(q.dtype), v.to(q.dtype)  # Inductor fuses the upcast into its attention loops
-                else:
-                    q = q.to(k.dtype)  # eager: attend in the cache's dtype (upcasting would copy the cache)
+            # (B, nh, P + T, hs), P = positions already cached, in the cache's dtype (GPT.kv_dtype: a bfloat16
+            # cache halves the bytes each step reads, and takes a bf16 c_attn's keys as they are)
+            k, v = cache.update(self.layer_idx, k, v)
+        # Attention runs in x's dtype, except eagerly over a cache of another dtype: in the cache's (upcasting
+        # would copy the cache every step). A compiled step fuses the upcast into its attention loops.
+        dtype = k.dtype if cache is not None and not torch.compiler.is_compiling() else x.dtype
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
 
         # mask: None means plain causal (top-left aligned, valid without a cache); otherwise a
         # boolean (B or 1, 1, T, P + T) that is True where a query may attend to a key.

@@ -1050,15 +1050,28 @@ def fused_activation(config, attr: str) -> str | None:
 
 
 @torch.no_grad()
+def without_dropout(model: nn.Module) -> nn.Module:
+    """In place: every nn.Dropout a forward calls becomes nn.Identity, for a model that only infers
+    (load_for_inference, apply_plan). In eval mode a Dropout returns its input, yet each of its 25 calls a
+    GPT-2 124M decode step still cost a few microseconds (a module call, F.dropout, a dispatch): 0.2-0.6 ms
+    a step together (BENCHMARKS.md). Attention's attn_dropout stays, as SDPA reads its p."""
+    for module in list(model.modules()):
+        for name, child in module.named_children():
+            if isinstance(child, nn.Dropout) and name != "attn_dropout":
+                setattr(module, name, nn.Identity())
+    return model
+
+
 def apply_plan(model: nn.Module, plan) -> nn.Module:
     """In place: every linear becomes a FastLinear in the plan's format and paths (kernels.Plan), wte a bf16
-    table below float32 (embedding_to_bf16); everything else stays float32."""
+    table below float32 (embedding_to_bf16), dropout an identity (without_dropout); everything else stays
+    float32."""
     model.float()
     device_type = model.transformer.wte.weight.device.type
     for parent, attr, linear, activation in linear_layers(model):
         place_planned_linear(plan, parent, attr, linear.weight, linear.bias, activation, device_type)
     embedding_to_bf16(model)
-    return model.eval()
+    return without_dropout(model).eval()
 
 
 # Compiling a decode step through torch.compile (freezing, Inductor packing every weight its own way,
@@ -1144,11 +1157,13 @@ def embedding_to_bf16(model: nn.Module) -> None:
 def place_planned_linear(plan, parent: nn.Module, attr: str, weight: torch.Tensor, bias: torch.Tensor | None,
                          activation: str | None, device_type: str) -> None:
     """parent.attr becomes the FastLinear the plan gives it, holding weight (N, K) and bias."""
-    # The residual projections feed the float32 residual add; a c_fc with its GELU fused feeds the
-    # MLP's c_proj. c_attn (attention runs in float32) and the lm_head (float32 logits) cast back.
-    feeds_linear_or_residual = attr == "c_proj" or (attr == "c_fc" and activation is not None)
+    # The residual projections feed the float32 residual add, a c_fc with its GELU fused feeds the MLP's
+    # c_proj, and attention casts q, k and v itself (a bf16 cache takes c_attn's bf16 keys as they are):
+    # each takes the kernel's dtype as it comes, two casts fewer a layer in every decode step. The lm_head
+    # (float32 logits) and an unfused c_fc (its GELU in float32) cast back.
+    returns_kernel_dtype = attr != "lm_head" and (attr != "c_fc" or activation is not None)
     setattr(parent, attr, planned_linear(plan, attr, weight, bias, activation, device_type,
-                                         returns_kernel_dtype=feeds_linear_or_residual))
+                                         returns_kernel_dtype=returns_kernel_dtype))
     if activation is not None:
         parent.act = nn.Identity()
 
@@ -1245,7 +1260,8 @@ def load_for_inference(name_or_path, dtype: str = "float32", device=None, verbos
         # holds whatever glibc does (every 256 MB of weights instead loaded gpt2-xl at int4 ~1 s faster)
         return_freed_memory()
 
-    model = GPT.from_pretrained(name_or_path, device=device, dtype=torch.float32, replace_linear=place)
+    model = without_dropout(GPT.from_pretrained(name_or_path, device=device, dtype=torch.float32,
+                                                replace_linear=place))
     embedding_to_bf16(model)  # the lm_head comes last: the float32 table goes now
     return_freed_memory()
     if dtype == "int4":
