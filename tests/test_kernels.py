@@ -1441,25 +1441,46 @@ def test_a_packaged_decode_step_decodes_as_eager_and_a_later_model_loads_it(prec
     assert engine.package_path(other, inputs) not in packages and engine.package_path(again, inputs) in packages
 
 
+def int8_on(fmt: str, path: str) -> kernels.Plan:
+    """tiny_model's int8 plan with every linear in fmt, on path at every regime."""
+    plan = kernels.plan_for(tiny_model(), "int8")
+    plan.choices = {key: kernels.Choice(fmt, dict.fromkeys(kernels.REGIMES, path), {}) for key in plan.choices}
+    return plan
+
+
 @pytest.mark.slow
-def test_an_int4_decode_step_is_packaged_with_its_u8s8_lm_head_outside(monkeypatch):
-    """int4's blocks (int4pack_mm) package; its int8 lm_head on a u8s8 engine (a TorchScript object, which a
-    package cannot hold) runs eagerly after the package's ln_f. The logits are the eager step's within
-    int4's tolerance, a later model loads the file and decodes the same, and each row count gets a
+@pytest.mark.parametrize("case", ["int8 per row", "int8 one scale", "int4", "int4, u8s8 through its engine"])
+def test_a_decode_step_with_u8s8_layers_is_packaged(case, monkeypatch):
+    """int8's layers, and int4's int8 lm_head, run eagerly on u8s8 engines, whose packed weights are TorchScript
+    objects a package cannot hold. Where oneDNN's u8s8 sums exactly, their compiled paths compute from q and
+    its scales (quantize.u8s8_compiles_from_tensors): the whole step packages. Elsewhere (the last case,
+    forced) int4's lm_head runs eagerly after the package's ln_f, and int8 goes through torch.compile.
+    The logits are the eager step's within the precision's tolerance, at 1 row and at 3 (each row mapped
+    onto its own range), a later model loads the file and decodes the same, and each row count gets a
     package of its own (engine.ROWS_STATIC_PRECISIONS)."""
     from conftest import assert_greedy_up_to_near_ties
-    plan = int4_lm_head_on("dynamic fbgemm", "u8s8 dynamic")
+    if case.endswith("through its engine"):
+        monkeypatch.setattr(quantize, "u8s8_compiles_from_tensors", lambda: False)
+    elif not quantize.u8s8_compiles_from_tensors():
+        pytest.skip("oneDNN's u8s8 GEMM does not sum exactly on this CPU: u8s8 layers compile through their engine")
+    precision = case[:4]
+    path = "u8s8 dynamic" if case.endswith("one scale") else "u8s8 per row"
+    plan = int8_on("dynamic fbgemm", path) if precision == "int8" else int4_lm_head_on("dynamic fbgemm", path)
     model = apply_plan(tiny_model(), plan)
-    assert engine.lm_head_outside(model) and engine.PackagedDecodeStep.applies(model)
+    outside = case.endswith("through its engine")
+    assert engine.lm_head_outside(model) == outside and engine.PackagedDecodeStep.applies(model)
     ids = torch.tensor([PROMPTS[0] + PROMPTS[2]])  # (1, 11)
-    before = set(engine.package_directory().glob("decode-*.pt2"))
     compiled, eager = compiled_and_eager_logits(model, ids, prompt_length=4)
-    assert isinstance(engine._compiled_decode_steps[model], engine.PackagedDecodeStep)
-    assert ((compiled - eager).abs().max() / eager.abs().max()).item() <= 2 * kernels.TOLERANCE["int4"]
+    step = engine._compiled_decode_steps[model]
+    assert isinstance(step, engine.PackagedDecodeStep)
+    tolerance = 2 * kernels.TOLERANCE[precision]
+    assert ((compiled - eager).abs().max() / eager.abs().max()).item() <= tolerance
+    expected = generate(model, PROMPTS[:3], max_new_tokens=12, compile=True)  # 1 row, then 3
+    assert_greedy_up_to_near_ties(model, PROMPTS[:3], expected, tolerance)
     expected = generate(model, PROMPTS[:1], max_new_tokens=12, compile=True)
-    assert_greedy_up_to_near_ties(model, PROMPTS[:1], expected, 2 * kernels.TOLERANCE["int4"])
-    assert len(set(engine.package_directory().glob("decode-*.pt2")) - before) == 1
-    assert engine.package_rows(model, 1) == 1 and engine.package_rows(model, 3) == 3  # one per row count
+    assert_greedy_up_to_near_ties(model, PROMPTS[:1], expected, tolerance)
+    assert {rows for rows, _ in step.runners} == {1, 3}  # a package for 1 row and one for 3
+    assert engine.package_rows(model, 1) == 1 and engine.package_rows(model, 3) == 3
     bf16 = apply_plan(tiny_model(), kernels.plan_for(tiny_model(), "bfloat16"))
     assert engine.package_rows(bf16, 1) is None and engine.package_rows(bf16, 3) is None  # one for 1-32 rows
 
@@ -1584,13 +1605,12 @@ def test_a_step_that_cannot_be_packaged_compiles_through_torch_compile(cause, mo
     assert not list(tmp_path.glob("*decode-*"))
 
 
-def test_int8s_engines_and_plain_models_compile_through_torch_compile():
-    """The u8s8 engines' packed weights are TorchScript objects a graph names by a per-process handle, and a
-    plain GPT's weights are not packed for inference: neither is packaged."""
-    plan = kernels.plan_for(tiny_model(), "int8")
-    plan.choices = {k: kernels.Choice("dynamic fbgemm", {r: "u8s8 dynamic" for r in kernels.REGIMES}, {})
-                    for k in plan.choices}
-    assert not engine.PackagedDecodeStep.applies(apply_plan(tiny_model(), plan))
+def test_u8s8_engines_through_their_custom_op_and_plain_models_compile_through_torch_compile(monkeypatch):
+    """Where the u8s8 paths compile through the engine (quantize.u8s8_compiles_from_tensors false), its packed
+    weights are TorchScript objects a graph names by a per-process handle; a plain GPT's weights are not
+    packed for inference: neither is packaged."""
+    monkeypatch.setattr(quantize, "u8s8_compiles_from_tensors", lambda: False)
+    assert not engine.PackagedDecodeStep.applies(apply_plan(tiny_model(), int8_on("dynamic fbgemm", "u8s8 dynamic")))
     assert not engine.PackagedDecodeStep.applies(tiny_model())
     bf16 = apply_plan(tiny_model(), kernels.plan_for(tiny_model(), "bfloat16"))
     add_compile_weights(bf16)  # the plain weights its compiled paths read, as compiled_decode_step gives them

@@ -361,10 +361,12 @@ class _StepModule(torch.nn.Module):
 
 
 def _holds_engine_objects(layer) -> bool:
-    """A FastLinear whose weights include a u8s8 engine's packed object (a TorchScript object, which a
-    graph names by a handle that holds in this process only): such a layer cannot be packaged."""
-    from gpt2.quantize import _Packed
-    return any(isinstance(t, _Packed) and isinstance(t.obj, torch.ScriptObject) for t in layer.tensors.values())
+    """A FastLinear whose compiled paths call a u8s8 engine's packed object (a TorchScript object, which a
+    graph names by a handle that holds in this process only): such a layer cannot be packaged. Where the
+    u8s8 paths compile from q and its scales (quantize.u8s8_compiles_from_tensors), none does."""
+    from gpt2.quantize import _Packed, u8s8_compiles_from_tensors
+    return not u8s8_compiles_from_tensors() and any(isinstance(t, _Packed) and isinstance(t.obj, torch.ScriptObject)
+                                                   for t in layer.tensors.values())
 
 
 def lm_head_outside(model) -> bool:
@@ -461,7 +463,7 @@ def package_rows(model, rows: int) -> int | None:
 # An int4 step compiled for a dynamic row count ran slower than one compiled for its rows (GPT-2 124M on an
 # Intel Xeon with AMX, a step at 8 rows 18.6 against 14.4-14.8 ms, at 1 row 5.7-6.3 against 5.2; BENCHMARKS.md).
 # Such models get one package per row count.
-ROWS_STATIC_PRECISIONS = {"int4"}
+ROWS_STATIC_PRECISIONS = {"int4", "int8"}
 _rows_static: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> whether package_rows is static
 
 
@@ -474,7 +476,10 @@ def package_path(model, inputs) -> Path:
     """Where the package of decode_step for this model and these inputs (their dtypes and static sizes) lives."""
     from gpt2.kernels import machine_key
     ids, positions, slot, keys, k, v = inputs
+    from gpt2.quantize import FastLinear
     described = {"weights": weights_digest(model), "machine": machine_key(), "code": _code_digest(),
+                 # the paths each layer's graph computes with: a format's paths share its tensors
+                 "paths": [layer.path_names for layer in model.modules() if isinstance(layer, FastLinear)],
                  "lm_head": "outside" if lm_head_outside(model) else "inside",
                  "options": {**compile_options(model, "cpu"), **PACKAGE_OPTIONS}, "layers": len(k),
                  "rows": package_rows(model, ids.size(0)),

@@ -349,12 +349,48 @@ def _int8_dequant(dtype):
 _int8_dequant_bf16 = _int8_dequant(torch.bfloat16)  # one function for every int8 format: kernels.py sees the same path
 
 
-def _linear_dynamic(x: torch.Tensor, t: dict, packed: str = "packed") -> torch.Tensor:
+def _linear_dynamic(x: torch.Tensor, t: dict, packed: str = "packed", unit_range: bool = False) -> torch.Tensor:
     """fbgemm's / oneDNN's u8s8 GEMM: x (M, K) float32 quantized with one scale, (M, N) float32 out.
-    packed: the tensors' key of the engine's packed weight (a two-engine format keeps two)."""
-    if torch.compiler.is_compiling():  # Dynamo cannot trace the packed weight, a TorchScript object
-        return linear_dynamic_op(x, t[f"{packed}_handle"], t["q"].size(0))
+    packed: the tensors' key of the engine's packed weight (a two-engine format keeps two). unit_range: x
+    spans [0, 1] (_int8_dynamic_rows maps every row there), which the engine quantizes with scale 1/255 and
+    zero point 0."""
+    if torch.compiler.is_compiling():
+        if unit_range and u8s8_compiles_from_tensors():
+            return _u8s8_from_tensors(x, t)
+        return linear_dynamic_op(x, t[f"{packed}_handle"], t["q"].size(0))  # Dynamo cannot trace the packed object
     return torch.ops.quantized.linear_dynamic(x, t[packed], False)
+
+
+def _u8s8_from_tensors(x: torch.Tensor, t: dict) -> torch.Tensor:
+    """The u8s8 GEMM of x (M, K) in [0, 1] as PT2E's quantize and dequantize ops over q and its scales, for a
+    compiled step: Inductor's freezing passes match them to an int8 GEMM of its own, packing q itself (its
+    AMX or VNNI template, autotuned against oneDNN's qlinear). The same integers as the engine's kernel,
+    and a graph of tensors only, which a package holds (engine.PackagedDecodeStep). Measured on an Intel
+    Xeon with AMX (BENCHMARKS.md): 2304x768, 12 copies, 43 against 80 us a call at 1 row (fbgemm, eager,
+    with the per-row ops), 49 against 137 at 8; outputs bit for bit the same."""
+    import torch.ao.quantization.fx._decomposed  # noqa: F401  registers torch.ops.quantized_decomposed
+    qd = torch.ops.quantized_decomposed
+    x = qd.dequantize_per_tensor(qd.quantize_per_tensor(x, 1 / 255, 0, 0, 255, torch.uint8), 1 / 255, 0, 0, 255,
+                                 torch.uint8)
+    return F.linear(x, qd.dequantize_per_channel(t["q"], t["scales"], t["zero_points"], 0, -128, 127, torch.int8))
+
+
+@torch.compiler.assume_constant_result  # Dynamo calls it and keeps the answer, instead of tracing the probe
+def u8s8_compiles_from_tensors() -> bool:
+    """Whether a compiled graph computes the u8s8 paths from q and its scales (_u8s8_from_tensors): where
+    oneDNN's u8s8 GEMM adds its products exactly on this CPU (_u8s8_sums_exactly; Inductor's own int8 GEMM
+    needs AMX or VNNI, and falls back to oneDNN's qlinear), and the decomposed ops exist. Elsewhere the
+    graph calls the engine's kernel through a custom op, whose packed object no package can hold."""
+    return _u8s8_from_tensors_probed()
+
+
+@functools.cache
+def _u8s8_from_tensors_probed() -> bool:
+    try:
+        import torch.ao.quantization.fx._decomposed  # noqa: F401
+    except ImportError:
+        return False
+    return _engine_available("onednn")()
 
 
 @torch.library.custom_op("gpt2::linear_dynamic", mutates_args=())
@@ -371,7 +407,11 @@ def _(x, handle, out_features):
 def _int8_dynamic(x, t, bias, activation, packed="packed"):
     # x is quantized to uint8 per call (one scale for the whole call: kernels.py offers this path for
     # decode only, where a call is one token); the GEMM runs u8 x s8 with int32 accumulation.
-    y = _linear_dynamic(x.float(), t, packed)  # (M, N) float32
+    x = x.float()
+    if torch.compiler.is_compiling() and u8s8_compiles_from_tensors():
+        y = _unit_range_u8s8(x, *_engine_range(x), t, packed)  # the engine's one scale, as a range
+    else:
+        y = _linear_dynamic(x, t, packed)  # (M, N) float32
     return _act(y if bias is None else y.add_(bias), activation)
 
 
@@ -386,10 +426,29 @@ def _int8_dynamic_rows(x, t, bias, activation, packed="packed"):
         return _int8_dynamic(x, t, bias, activation, packed)
     x = x.float()
     low = x.amin(dim=1, keepdim=True)  # (M, 1)
-    span = (x.amax(dim=1, keepdim=True) - low).clamp_(min=1e-12)
-    y = _linear_dynamic((x - low).div_(span), t, packed)  # (M, N) float32: x' W^T
-    y.mul_(span).addcmul_(low, t["row_sums"])  # (M, 1) x (N,): faster here than addr_'s outer product
+    y = _unit_range_u8s8(x, low, (x.amax(dim=1, keepdim=True) - low).clamp_(min=1e-12), t, packed)
     return _act(y if bias is None else y.add_(bias), activation)
+
+
+def _unit_range_u8s8(x, low, span, t, packed):
+    """x W^T, x (M, K) float32 quantized over [low, low + span] ((M, 1) each, or one for all rows): mapped onto
+    [0, 1], which the engine quantizes with scale 1/255 and zero point 0; y = span (x' W^T) + low rowsum(W)."""
+    y = _linear_dynamic((x - low).div_(span), t, packed, unit_range=True)  # (M, N) float32: x' W^T
+    return y.mul_(span).addcmul_(low, t["row_sums"])  # (M, 1) x (N,): faster here than addr_'s outer product
+
+
+def _engine_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The range over which the engine quantizes x to 0..255 with one scale, as (low, span), each (1, 1):
+    ATen's choice for a dynamic linear (quant_utils::ChooseQuantizationParams): [min, max] widened to hold
+    0, scale = its width / 255 (float32; 0.1 if that is 0), the zero point from the end with the smaller
+    error, clamped to 0..255 and rounded to even; low = -zero_point scale, span = 255 scale. Quantizing
+    (x - low) / span with scale 1/255 then gives the engine's integers, up to float rounding at a tie."""
+    low, high = x.amin().clamp(max=0).double(), x.amax().clamp(min=0).double()
+    scale = ((high - low) / 255).float().double()
+    scale = torch.where((scale == 0) | torch.isinf(1 / scale.float()), torch.full_like(scale, 0.1), scale)
+    from_min, from_max = -low / scale, 255 - high / scale
+    zero_point = torch.where(low.abs() / scale < 255 + high.abs() / scale, from_min, from_max).clamp(0, 255).round()
+    return (-zero_point * scale).float().view(1, 1), (255 * scale).float().view(1, 1)
 
 
 def _int8_dynamic_onednn(x, t, bias, activation):  # the two-engine format's oneDNN packing
@@ -582,7 +641,10 @@ def _pack_int8(w, bias):
     # kernels hold it, q s, which a per-token path needs back (_int8_dynamic_rows). Summed a block of rows at a
     # time: an int8 sum makes an int64 copy of what it sums (q.sum(1) took 297 MB at gpt2's lm_head).
     sums = torch.cat([q[rows].sum(1) for rows in row_blocks(q)])  # (N,) int64: exact
-    return {"q": q, "scales": s, "scales_bf16": s.to(torch.bfloat16), "row_sums": (sums.double() * s.double()).float()}
+    # zero_points (N,): q's, all 0, as a tensor a compiled graph names (_u8s8_from_tensors: Inductor packs an int8
+    # weight for its own GEMM only where its zero points are a constant, not computed in the graph)
+    return {"q": q, "scales": s, "scales_bf16": s.to(torch.bfloat16), "row_sums": (sums.double() * s.double()).float(),
+            "zero_points": torch.zeros_like(s, dtype=torch.int64)}
 
 
 def _rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
