@@ -378,8 +378,8 @@ def add_generate_parser(sub):
     p.add_argument("--compile", action="store_true",
                    help="compile the decode step (with --draft: the draft's), at any --dtype (the first "
                         "step compiles, its GEMMs autotuned on a CPU: 20-60 s for GPT-2 124M on 2 cores, once per "
-                        "model and machine (int4, int8: and batch size): later runs load float32 and bf16 steps from "
-                        "~/.cache/gpt2/compiled in ~3 s, int4 and int8 graphs from Inductor's cache in ~12 s; "
+                        "model and machine (int4, int8: and batch size): later runs load the step from "
+                        "~/.cache/gpt2/compiled in ~3 s; "
                         "then decode runs 1.2-1.7x faster: BENCHMARKS.md)")
     p.add_argument("--draft", default=None,
                    help="speculative decoding: a smaller model with the same vocabulary (loaded at --draft-dtype), "
@@ -511,8 +511,8 @@ def add_serve_parser(sub):
                    help="decode steps through the compiled step, at any --dtype: a graph per batch-row count "
                         "(1, 2, 4, ... --max-batch; float32 and bf16: one package up to 32 rows), all built as "
                         "the server starts, before its first request "
-                        "(20-60 s a graph for GPT-2 124M on 2 cores the first time; then float32 and bf16 load from "
-                        "~/.cache/gpt2/compiled in ~3 s, int4 and int8 take about 12 s from Inductor's cache)")
+                        "(20-60 s a graph for GPT-2 124M on 2 cores the first time; then each loads from "
+                        "~/.cache/gpt2/compiled in ~3 s)")
     p.set_defaults(func=cmd_serve)
 
 

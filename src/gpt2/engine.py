@@ -301,8 +301,9 @@ def compiled_decode_step(model):
     """decode_step compiled for this model, built once per model; each batch size compiles.
 
     A model load_for_inference prepared, on a CPU, gets a PackagedDecodeStep: AOTInductor compiles the
-    step into a file, which later processes load in seconds. Any other (a plain GPT, a GPU, int8's u8s8
-    engines) gets decode_step under torch.compile, which compiles again in every process.
+    step into a file, which later processes load in seconds. Any other (a plain GPT, a GPU, u8s8 engines
+    called through their custom op, quantize.u8s8_compiles_from_tensors) gets decode_step under
+    torch.compile, which compiles again in every process.
 
     Either way each graph has the model's packed weights frozen into it as constants (StaticDecode), so
     a graph serves one model only. Dynamo counts recompilations per code object (8 at most, then
@@ -370,9 +371,10 @@ def _holds_engine_objects(layer) -> bool:
 
 
 def lm_head_outside(model) -> bool:
-    """An int4 model's lm_head is int8, most often on a u8s8 engine, while its blocks are int4pack_mm:
-    its package then ends at ln_f and the lm_head runs eagerly after it (one call a step, the same kernel
-    a compiled graph calls through its custom op), so that the step still loads from a file."""
+    """An int4 model's lm_head is int8, most often on a u8s8 engine, while its blocks are int4pack_mm. Where
+    its compiled paths call the engine (quantize.u8s8_compiles_from_tensors false), its package ends at
+    ln_f and the lm_head runs eagerly after it (one call a step, the same kernel a compiled graph calls
+    through its custom op), so that the step still loads from a file."""
     return _holds_engine_objects(model.lm_head)
 
 
@@ -400,9 +402,11 @@ class PackagedDecodeStep:
     weights, and loaded in 2-3 s by any later process: under $XDG_CACHE_HOME/gpt2/compiled, keyed by
     the weights (weights_digest), the machine (kernels.machine_key), the inputs' dtypes, the compile
     options and this package's code. The batch's rows are dynamic too, up to PACKAGE_ROWS: one package
-    serves generate and every row count of the scheduler (int4: one per row count, ROWS_STATIC_PRECISIONS).
-    It runs as a C++ function: no guards, no Python wrapper. An lm_head on a u8s8 engine (int4's int8 one)
-    runs after it, eagerly (lm_head_outside). A corrupt package is compiled again; where export or
+    serves generate and every row count of the scheduler (int8, int4: one per row count,
+    ROWS_STATIC_PRECISIONS). It runs as a C++ function: no guards, no Python wrapper. u8s8 layers (int8's,
+    int4's lm_head) compile from their q and scales (quantize._u8s8_from_tensors); where a CPU's u8s8 does
+    not allow it, int8 goes through torch.compile and int4's lm_head runs after the package, eagerly
+    (lm_head_outside). A corrupt package is compiled again; where export or
     AOTInductor fails, or building would not fit in memory, checked_compiled_step falls back to
     torch.compile. The cache keeps PACKAGE_CACHE_BYTES.
 
@@ -417,8 +421,8 @@ class PackagedDecodeStep:
     @staticmethod
     def applies(model) -> bool:
         """A model whose every linear is packed for inference (FastLinear), on a CPU, whose blocks' compiled
-        paths read tensors only: not int8's u8s8 engines (_holds_engine_objects). An lm_head on one runs
-        outside the package (lm_head_outside)."""
+        paths read tensors only: not u8s8 engines through their custom op (_holds_engine_objects). An lm_head
+        on one runs outside the package (lm_head_outside)."""
         from gpt2.quantize import FastLinear, linear_layers
         layers = [layer for _, _, layer, _ in linear_layers(model)]
         if model.transformer.wte.weight.device.type != "cpu" or not all(isinstance(x, FastLinear) for x in layers):
@@ -451,7 +455,7 @@ def compiled_step_rows(model, rows: int, available: int) -> int:
 
 def package_rows(model, rows: int) -> int | None:
     """The rows a package is built for: None for the one with 1 to PACKAGE_ROWS rows, else that many.
-    An int4 model gets a package for each row count (ROWS_STATIC_PRECISIONS)."""
+    An int8 or int4 model gets a package for each row count (ROWS_STATIC_PRECISIONS)."""
     static = _rows_static.get(model)
     if static is None:  # a scheduler asks every step: the layers are looked at once
         from gpt2.quantize import FastLinear
@@ -461,8 +465,9 @@ def package_rows(model, rows: int) -> int | None:
 
 
 # An int4 step compiled for a dynamic row count ran slower than one compiled for its rows (GPT-2 124M on an
-# Intel Xeon with AMX, a step at 8 rows 18.6 against 14.4-14.8 ms, at 1 row 5.7-6.3 against 5.2; BENCHMARKS.md).
-# Such models get one package per row count.
+# Intel Xeon with AMX, a step at 8 rows 18.6 against 14.4-14.8 ms, at 1 row 5.7-6.3 against 5.2), and an int8
+# one 1.8x slower at 1 row (6.9-7.5 against 3.8-4.6 ms: its GEMMs went to oneDNN's qlinear, not Inductor's
+# own int8 template; BENCHMARKS.md). Such models get one package per row count.
 ROWS_STATIC_PRECISIONS = {"int4", "int8"}
 _rows_static: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> whether package_rows is static
 

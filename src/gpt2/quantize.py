@@ -23,7 +23,8 @@ functions (x (M, K), tensors) -> y (M, N). Every path of a format computes with 
               as llama.cpp's Q8_0 does (the kernel takes one scale per call: for several rows each row
               is first mapped onto [0, 1] by its own min and max, "u8s8 per row"); or both engines'
               packings of one q and s in one layer, each regime taking the faster engine (kernels.py
-              keeps it only where it gains enough for its second packed copy)
+              keeps it only where it gains enough for its second packed copy); a compiled step computes
+              the same integers from q and s through PT2E's quantize/dequantize ops (_u8s8_from_tensors)
   int4      per group of 32 along K, w = (q - 8) * s + z (asymmetric, PyTorch's tinygemm convention; s and
             z searched per group for the least |w|-weighted squared error, the result cached on disk):
               _weight_int4pack_mm_for_cpu (bf16 activations) on CPU, or for long prefills its packed
