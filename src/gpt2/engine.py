@@ -465,9 +465,9 @@ def package_rows(model, rows: int) -> int | None:
 
 
 # An int4 step compiled for a dynamic row count ran slower than one compiled for its rows (GPT-2 124M on an
-# Intel Xeon with AMX, a step at 8 rows 18.6 against 14.4-14.8 ms, at 1 row 5.7-6.3 against 5.2), and an int8
-# one 1.8x slower at 1 row (6.9-7.5 against 3.8-4.6 ms: its GEMMs went to oneDNN's qlinear, not Inductor's
-# own int8 template; BENCHMARKS.md). Such models get one package per row count.
+# Intel Xeon with AMX, a step at 8 rows 18.6 against 14.4-14.8 ms, at 1 row 5.7-6.3 against 5.2), and so did an
+# int8 one (4.5-5.2 against 3.8-4.6 ms at 1 row, 9.3-9.7 against 7.7-8.4 at 8; BENCHMARKS.md). Such models get
+# one package per row count.
 ROWS_STATIC_PRECISIONS = {"int4", "int8"}
 _rows_static: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> whether package_rows is static
 
