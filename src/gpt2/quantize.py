@@ -1112,7 +1112,6 @@ def fused_activation(config, attr: str) -> str | None:
     return "gelu_tanh" if attr == "c_fc" and gelu else None
 
 
-@torch.no_grad()
 def without_dropout(model: nn.Module) -> nn.Module:
     """In place: every nn.Dropout a forward calls becomes nn.Identity, for a model that only infers
     (load_for_inference, apply_plan). In eval mode a Dropout returns its input, yet each of its 25 calls a
@@ -1125,6 +1124,7 @@ def without_dropout(model: nn.Module) -> nn.Module:
     return model
 
 
+@torch.no_grad()
 def apply_plan(model: nn.Module, plan) -> nn.Module:
     """In place: every linear becomes a FastLinear in the plan's format and paths (kernels.Plan), wte a bf16
     table below float32 (embedding_to_bf16), dropout an identity (without_dropout); everything else stays
