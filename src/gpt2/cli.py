@@ -380,7 +380,7 @@ def add_generate_parser(sub):
                         "step compiles, its GEMMs autotuned on a CPU: 20-60 s for GPT-2 124M on 2 cores, once per "
                         "model and machine (int4, int8: and batch size): later runs load the step from "
                         "~/.cache/gpt2/compiled in ~3 s; "
-                        "then decode runs 1.2-1.7x faster: BENCHMARKS.md)")
+                        "then decode runs 1.2-2.2x faster: BENCHMARKS.md)")
     p.add_argument("--draft", default=None,
                    help="speculative decoding: a smaller model with the same vocabulary (loaded at --draft-dtype), "
                         "or self:int8 / self:int4 (this model's weights, quantized)")
