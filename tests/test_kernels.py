@@ -1441,13 +1441,6 @@ def test_a_packaged_decode_step_decodes_as_eager_and_a_later_model_loads_it(prec
     assert engine.package_path(other, inputs) not in packages and engine.package_path(again, inputs) in packages
 
 
-def int8_on(fmt: str, path: str) -> kernels.Plan:
-    """tiny_model's int8 plan with every linear in fmt, on path at every regime."""
-    plan = kernels.plan_for(tiny_model(), "int8")
-    plan.choices = {key: kernels.Choice(fmt, dict.fromkeys(kernels.REGIMES, path), {}) for key in plan.choices}
-    return plan
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["int8 per row", "int8 one scale", "int4", "int4, u8s8 through its engine"])
 def test_a_decode_step_with_u8s8_layers_is_packaged(case, monkeypatch):
@@ -1455,9 +1448,10 @@ def test_a_decode_step_with_u8s8_layers_is_packaged(case, monkeypatch):
     objects a package cannot hold. Where oneDNN's u8s8 sums exactly, their compiled paths compute from q and
     its scales (quantize.u8s8_compiles_from_tensors): the whole step packages. Elsewhere (the last case,
     forced) int4's lm_head runs eagerly after the package's ln_f, and int8 goes through torch.compile.
-    The logits are the eager step's within the precision's tolerance, at 1 row and at 3 (each row mapped
-    onto its own range), a later model loads the file and decodes the same, and each row count gets a
-    package of its own (engine.ROWS_STATIC_PRECISIONS)."""
+    The logits are the eager step's within the precision's tolerance at 1 row, greedy tokens up to near-ties
+    at 1 row and at 3 (the per-row path maps each row onto its own range, the one-scale path all three onto
+    one), a later model loads the file and decodes the same, and each row count gets a package of its own
+    (engine.ROWS_STATIC_PRECISIONS)."""
     from conftest import assert_greedy_up_to_near_ties
     if case.endswith("through its engine"):
         monkeypatch.setattr(quantize, "u8s8_compiles_from_tensors", lambda: False)
@@ -1465,7 +1459,8 @@ def test_a_decode_step_with_u8s8_layers_is_packaged(case, monkeypatch):
         pytest.skip("oneDNN's u8s8 GEMM does not sum exactly on this CPU: u8s8 layers compile through their engine")
     precision = case[:4]
     path = "u8s8 dynamic" if case.endswith("one scale") else "u8s8 per row"
-    plan = int8_on("dynamic fbgemm", path) if precision == "int8" else int4_lm_head_on("dynamic fbgemm", path)
+    plan = (forced_plan(format_object("int8", "dynamic fbgemm"), path) if precision == "int8"
+            else int4_lm_head_on("dynamic fbgemm", path))
     model = apply_plan(tiny_model(), plan)
     outside = case.endswith("through its engine")
     assert engine.lm_head_outside(model) == outside and engine.PackagedDecodeStep.applies(model)
@@ -1610,7 +1605,8 @@ def test_u8s8_engines_through_their_custom_op_and_plain_models_compile_through_t
     weights are TorchScript objects a graph names by a per-process handle; a plain GPT's weights are not
     packed for inference: neither is packaged."""
     monkeypatch.setattr(quantize, "u8s8_compiles_from_tensors", lambda: False)
-    assert not engine.PackagedDecodeStep.applies(apply_plan(tiny_model(), int8_on("dynamic fbgemm", "u8s8 dynamic")))
+    plan = forced_plan(format_object("int8", "dynamic fbgemm"), "u8s8 dynamic")
+    assert not engine.PackagedDecodeStep.applies(apply_plan(tiny_model(), plan))
     assert not engine.PackagedDecodeStep.applies(tiny_model())
     bf16 = apply_plan(tiny_model(), kernels.plan_for(tiny_model(), "bfloat16"))
     add_compile_weights(bf16)  # the plain weights its compiled paths read, as compiled_decode_step gives them

@@ -84,7 +84,8 @@ class CausalSelfAttention(nn.Module):
         # Attention runs in x's dtype, except eagerly over a cache of another dtype: in the cache's (upcasting
         # would copy the cache every step). A compiled step fuses the upcast into its attention loops.
         dtype = k.dtype if cache is not None and not torch.compiler.is_compiling() else x.dtype
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        if not q.dtype == k.dtype == dtype:  # (k and v share theirs) a decode step pays per op, even a no-op
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
 
         # mask: None means plain causal (top-left aligned, valid without a cache); otherwise a
         # boolean (B or 1, 1, T, P + T) that is True where a query may attend to a key.

@@ -369,8 +369,7 @@ def _u8s8_from_tensors(x: torch.Tensor, t: dict) -> torch.Tensor:
     and a graph of tensors only, which a package holds (engine.PackagedDecodeStep). Measured on an Intel
     Xeon with AMX (BENCHMARKS.md): 2304x768, 12 copies, 43 against 80 us a call at 1 row (fbgemm, eager,
     with the per-row ops), 49 against 137 at 8; outputs bit for bit the same."""
-    import torch.ao.quantization.fx._decomposed  # noqa: F401  registers torch.ops.quantized_decomposed
-    qd = torch.ops.quantized_decomposed
+    qd = torch.ops.quantized_decomposed  # registered by u8s8_compiles_from_tensors' import
     x = qd.dequantize_per_tensor(qd.quantize_per_tensor(x, 1 / 255, 0, 0, 255, torch.uint8), 1 / 255, 0, 0, 255,
                                  torch.uint8)
     return F.linear(x, qd.dequantize_per_channel(t["q"], t["scales"], t["zero_points"], 0, -128, 127, torch.int8))
@@ -388,7 +387,7 @@ def u8s8_compiles_from_tensors() -> bool:
 @functools.cache
 def _u8s8_from_tensors_probed() -> bool:
     try:
-        import torch.ao.quantization.fx._decomposed  # noqa: F401
+        import torch.ao.quantization.fx._decomposed  # noqa: F401  registers torch.ops.quantized_decomposed
     except ImportError:
         return False
     return _engine_available("onednn")()
