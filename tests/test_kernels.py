@@ -973,13 +973,17 @@ def test_a_regime_is_timed_unless_the_one_before_proves_it_cannot_win():
     assert kernels._may_win("long", {"prefill": 400.0}, timings)
     assert not kernels._may_win("long", {"prefill": 401.0}, timings)
     assert kernels._may_win("long", {"prefill": 5000.0}, timings, always=True)  # a format's first path
-    assert not kernels._may_win("long", {}, timings)  # skipped at prefill: slower still
+    assert not kernels._may_win("long", {}, timings)  # never timed before: slower still
     assert not kernels._may_win("batch", {"decode": 81.0}, timings)  # 8 rows: at most 8x the best
     assert kernels._may_win("batch", {"decode": 80.0}, timings)
     assert kernels._may_win("short", {"decode": 10000.0}, timings)  # cold copies vs one warm: never pruned
     timings["a"]["p"]["short"] = 60.0
     assert kernels._may_win("prefill", {"short": 120.0}, timings)  # 128 rows: at most 2x the best at 64
     assert not kernels._may_win("prefill", {"short": 121.0}, timings)
+    # skipped at prefill, the bound still holds from short at 8x its rows: a path that dequantizes its whole
+    # weight per call loses at 128 rows and wins at 512 (int4's "dequant fp32" on a Xeon without AVX512_BF16)
+    assert kernels._may_win("long", {"short": 480.0}, timings)
+    assert not kernels._may_win("long", {"short": 481.0}, timings)
 
 
 def test_each_format_times_a_path_at_every_regime_however_slow_its_others_look(monkeypatch):

@@ -76,7 +76,7 @@ from gpt2.quantize import (CPU_FORMATS, KV_DTYPES, REGIMES, WeightFormat, _Packe
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 16 # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
+CACHE_VERSION = 17 # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
                    # 4: the bf16 oneDNN format keeps only its packed weight (no float32-GEMM path);
                    # 5: entries keyed by the layer's own precision (int4 and int8 plans share the int8 lm_head);
                    # 6: int4's "dequant bf16" writes a (K, N) weight and fuses bias and GELU; paths cast their
@@ -90,7 +90,9 @@ CACHE_VERSION = 16 # 2: decode copies own their storage (version 1 timed float32
                    # "dequant bf16" reads AVX2's and plain CPUs' packing too (quantize.int4pack_layout);
                    # 13: decode and batch call a block's layers in turn (measure_shapes), not one shape alone;
                    # 14: and the lm_head after them (_turns), not alone; 15: every format's copies are read in
-                   # every round (_reader), so they share the span; 16: int4's "dequant fp32" (MKL's GEMM)
+                   # every round (_reader), so they share the span; 16: int4's "dequant fp32" (MKL's GEMM);
+                   # 17: bf16's oneDNN format has a float32-GEMM path for many rows (_onednn_upcast); a path
+                   # skipped at prefill is still timed at long where short shows it may win there (_may_win)
 # The files cached_measurement keeps (training.json, lm_head.json, cpu_cache.json) carry their own version:
 # a change to the kernel plans above leaves them valid.
 MEASUREMENT_CACHE_VERSION = 5
@@ -924,8 +926,10 @@ def _may_win(regime: str, times: dict, timings: dict, always: bool = False) -> b
     before = PRUNED_AFTER.get(regime)
     if before is None or always:
         return True
-    if before not in times:
-        return False  # skipped there already, so slower still
+    while before is not None and before not in times:  # skipped there: the bound holds from any regime
+        before = PRUNED_AFTER.get(before)              # before it, at its own ratio of rows (long: short's x8)
+    if before is None:
+        return False
     return times[before] <= ROWS[regime] / ROWS[before] * _best(timings, before) * 1e6
 
 
