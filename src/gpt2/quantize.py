@@ -16,7 +16,8 @@ functions (x (M, K), tensors) -> y (M, N). Every path of a format computes with 
 `reference_weight` (those weights dequantized to float64) is the reference each path is checked against.
 
   float32   plain (F.linear), onednn (weight reordered for oneDNN), mkl (weight packed for MKL)
-  bfloat16  plain (F.linear), onednn
+  bfloat16  plain (F.linear), onednn; either multiplied in float32 for many rows, where bf16 GEMMs are
+            slow (no AVX512_BF16: the weight made float32 per call, from its packed copy for onednn)
   int8      per output channel, w = q * s (symmetric):
               weight-only: _weight_int8pack_mm (bf16 activations), or dequantize + bf16/fp32 GEMM;
               dynamic: fbgemm's / oneDNN's u8s8 GEMM (VNNI) with the activations quantized per token,
@@ -28,7 +29,7 @@ functions (x (M, K), tensors) -> y (M, N). Every path of a format computes with 
   int4      per group of 32 along K, w = (q - 8) * s + z (asymmetric, PyTorch's tinygemm convention; s and
             z searched per group for the least |w|-weighted squared error, the result cached on disk):
               _weight_int4pack_mm_for_cpu (bf16 activations) on CPU, or for long prefills its packed
-              weight dequantized to bf16 once per call, a block of rows at a time, for bf16 GEMMs;
+              weight dequantized to bf16 or float32 once per call, a block of rows at a time, for GEMMs;
               elsewhere the nibbles are dequantized for a bf16 GEMM
 
 The lm_head is quantized too; an int4 model keeps it at int8 (HEAD_PRECISION); a bf16 one computes its
