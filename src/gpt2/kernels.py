@@ -921,7 +921,9 @@ def _may_win(regime: str, times: dict, timings: dict, always: bool = False) -> b
 
     A call's time grows with its rows, and the best path's time at k times the rows is at most k times
     its time (a fixed cost plus a cost per row), so a path more than k times slower than the best at
-    the regime before (PRUNED_AFTER, k = the ratio of their rows) cannot be the fastest at this one.
+    the regime before (PRUNED_AFTER, k = the ratio of their rows) cannot be the fastest at this one. A
+    path skipped at the regime before is bounded the same way from the last regime it was timed at (a
+    path that dequantizes its whole weight per call may lose at 128 rows and win at 512).
     `always` for the first path of each format, so that every format is complete."""
     before = PRUNED_AFTER.get(regime)
     if before is None or always:
