@@ -38,6 +38,16 @@ def session_measurement_cache(tmp_path_factory):
     patch.undo()
 
 
+@pytest.fixture(autouse=True)
+def gemm_autotuning_only_where_marked(request, monkeypatch):
+    """A compiled step autotunes its GEMMs on a CPU (engine.compile_options), which adds 15-27 s to each graph
+    built: the tests marked `autotune` keep it (every format compiled, the packaged steps, Inductor's own
+    GEMM); elsewhere compiled steps are about the engine's plumbing, and use the library calls untimed."""
+    if request.node.get_closest_marker("autotune") is None:
+        from gpt2 import engine
+        monkeypatch.setattr(engine, "AUTOTUNE_CPU_GEMMS", False)
+
+
 def make_hf_model(seed=0, attn_implementation="eager", **config):
     """A transformers.GPT2LMHeadModel at random init (eval mode)."""
     import transformers

@@ -66,7 +66,7 @@ def run(sched: Scheduler, seqs: list[Continuation], first: list[Continuation] | 
     sched.start()
     try:
         sched.submit(first or seqs)
-        # a hang guard, not a timing: compiling graphs for 1, 2 and 4 rows, autotuned, took ~120 s on an
+        # a hang guard, not a timing: compiling graphs for 1, 2 and 4 rows took ~120 s (autotuned) on an
         # Intel Xeon without AVX512_BF16 (Ice Lake, 2 cores), where it had taken 30-50 s on one with AMX
         assert done.wait(600), "the scheduler did not finish in 600 s"
     finally:

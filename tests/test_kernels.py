@@ -506,6 +506,7 @@ def test_bf16_logits_around_a_large_offset_are_as_exact_as_the_weights_allow(fmt
     assert torch.equal(centered.reference_weight(), w.to(torch.bfloat16).double())
 
 
+@pytest.mark.autotune
 @pytest.mark.slow
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="Inductor's bf16 GEMM template")
 def test_a_compiled_bf16_lm_head_gives_its_float32_accumulator():
@@ -1310,11 +1311,14 @@ def test_info_kernels_prints_the_plan(capsys):
     assert "kernels for int8" in out and "768x3072" in out and "50257x768" in out
 
 
-def test_a_deep_copy_of_a_packed_model_decodes_without_the_original():
+def test_a_deep_copy_of_a_packed_model_decodes_without_the_original(monkeypatch):
     """copy.deepcopy of an int8 model whose u8s8 engine weights are TorchScript objects: the copy's
-    handles (what a compiled graph's custom op looks them up by) name its own, so it decodes alone."""
+    handles (what a compiled graph's custom op looks them up by) name its own, so it decodes alone.
+    The compiled step calls the engines through that op (where oneDNN sums exactly it would compute
+    from q and its scales instead, and look nothing up: quantize.u8s8_compiles_from_tensors)."""
     import copy
     import gc
+    monkeypatch.setattr(quantize, "u8s8_compiles_from_tensors", lambda: False)
     plan = kernels.plan_for(tiny_model(), "int8")
     plan.choices = {k: kernels.Choice("dynamic fbgemm", {r: "u8s8 dynamic" for r in kernels.REGIMES}, {})
                     for k in plan.choices}
@@ -1406,6 +1410,7 @@ def test_compiled_decode_of_a_second_model_or_machine_uses_its_own_graph(tmp_pat
     assert hits == [0, 0, 1, 0], dict(counters["inductor"])  # the bypasses and misses, if it fails
 
 
+@pytest.mark.autotune
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 def test_a_packaged_decode_step_decodes_as_eager_and_a_later_model_loads_it(precision, monkeypatch):
@@ -1521,6 +1526,7 @@ def test_a_corrupt_package_is_compiled_again(monkeypatch, tmp_path, caplog):
     assert list(tmp_path.glob("*decode-*")) == [package] and package.read_bytes() == b"a package"
 
 
+@pytest.mark.autotune  # the warning names autotuning: only a step whose GEMMs were timed gives it
 def test_a_decode_step_compiled_on_a_busy_machine_says_so(monkeypatch, tmp_path, caplog):
     """Compiling the decode step autotunes its GEMMs, which a busy machine times wrong, and the package (or
     Inductor's cache, for torch.compile's graphs) keeps the choice: a warning says so and how to build it
@@ -1617,6 +1623,7 @@ def test_u8s8_engines_through_their_custom_op_and_plain_models_compile_through_t
     assert engine.PackagedDecodeStep.applies(bf16)
 
 
+@pytest.mark.autotune
 @pytest.mark.slow
 def test_compiled_decode_of_every_format_equals_eager(monkeypatch):
     """Every format of every precision and each of its decode paths, forced on its own layers (the

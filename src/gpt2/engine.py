@@ -656,6 +656,11 @@ def weights_digest(model) -> str:
     return digest
 
 
+# False: a compiled step's GEMMs are the eager path's library calls, untimed (a graph builds 15-27 s sooner).
+# The test suite turns autotuning off except in the tests about it (tests/conftest.py).
+AUTOTUNE_CPU_GEMMS = True
+
+
 def compile_options(model, device_type: str) -> dict:
     """The Inductor settings model's compiled decode step is built under.
 
@@ -678,7 +683,7 @@ def compile_options(model, device_type: str) -> dict:
     """
     rounds = any(getattr(layer, "rounds_to", None) is not None for layer in model.modules())
     options = {"freezing": True, "emulate_precision_casts": rounds}
-    if device_type == "cpu":
+    if device_type == "cpu" and AUTOTUNE_CPU_GEMMS:
         options.update(max_autotune_gemm=True, max_autotune_gemm_backends="CPP,ATEN",
                        autotune_num_choices_displayed=0, max_autotune_report_choices_stats=False)
     return options
