@@ -1451,7 +1451,7 @@ def test_a_packaged_decode_step_decodes_as_eager_and_a_later_model_loads_it(prec
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["int8 per row", "int8 one scale", "int4", "int4, u8s8 through its engine"])
+@pytest.mark.parametrize("case", ["int8", "int4", "int4, u8s8 through its engine"])
 def test_a_decode_step_with_u8s8_layers_is_packaged(case, monkeypatch):
     """int8's layers, and int4's int8 lm_head, run eagerly on u8s8 engines, whose packed weights are TorchScript
     objects a package cannot hold. Where oneDNN's u8s8 sums exactly, their compiled paths compute from q and
@@ -1459,17 +1459,21 @@ def test_a_decode_step_with_u8s8_layers_is_packaged(case, monkeypatch):
     forced) int4's lm_head runs eagerly after the package's ln_f, and int8 goes through torch.compile.
     The logits are the eager step's within the precision's tolerance at 1 row, greedy tokens up to near-ties
     at 1 row and at 3 (the per-row path maps each row onto its own range, the one-scale path all three onto
-    one), a later model loads the file and decodes the same, and each row count gets a package of its own
-    (engine.ROWS_STATIC_PRECISIONS)."""
+    one: int8's model holds both, its layer shapes alternating), a later model loads the file and decodes the
+    same, and each row count gets a package of its own (engine.ROWS_STATIC_PRECISIONS)."""
     from conftest import assert_greedy_up_to_near_ties
     if case.endswith("through its engine"):
         monkeypatch.setattr(quantize, "u8s8_compiles_from_tensors", lambda: False)
     elif not quantize.u8s8_compiles_from_tensors():
         pytest.skip("oneDNN's u8s8 GEMM does not sum exactly on this CPU: u8s8 layers compile through their engine")
     precision = case[:4]
-    path = "u8s8 dynamic" if case.endswith("one scale") else "u8s8 per row"
-    plan = (forced_plan(format_object("int8", "dynamic fbgemm"), path) if precision == "int8"
-            else int4_lm_head_on("dynamic fbgemm", path))
+    if precision == "int8":
+        plan = forced_plan(format_object("int8", "dynamic fbgemm"), "u8s8 per row")
+        for key in sorted(plan.choices)[::2]:
+            plan.choices[key] = kernels.Choice("dynamic fbgemm", dict.fromkeys(kernels.REGIMES, "u8s8 dynamic"), {})
+        assert {path for c in plan.choices.values() for path in c.paths.values()} == {"u8s8 per row", "u8s8 dynamic"}
+    else:
+        plan = int4_lm_head_on("dynamic fbgemm", "u8s8 per row")
     model = apply_plan(tiny_model(), plan)
     outside = case.endswith("through its engine")
     assert engine.lm_head_outside(model) == outside and engine.PackagedDecodeStep.applies(model)
