@@ -402,25 +402,35 @@ def test_int8_per_token_paths_quantize_each_row_by_its_own_range(fmt):
 
 @pytest.mark.parametrize("path, dtype", [("dequant bf16", torch.bfloat16), ("dequant fp32", torch.float32)])
 def test_int4_dequantized_in_blocks_of_rows_equals_the_whole(monkeypatch, path, dtype):
-    """int4pack's "dequant bf16" and "dequant fp32" make DEQUANT_BLOCK[dtype] weights per GEMM call (a
-    large weight whole page-faults each call). Three blocks of 64 rows compute what one block over the
-    whole weight does: the same weights, bias and GELU; the two differ only by the GEMM's order of
-    summation, within bf16's rounding of each output (both paths return bf16)."""
+    """int4pack's "dequant bf16" and "dequant fp32" dequantize DEQUANT_BLOCK[dtype] weights at a time into
+    one buffer a thread keeps (quantize._dequant_buffer), then run one GEMM. Three blocks of 64 rows give
+    the weight one block over the whole does, element by element: the same outputs, bit for bit, with
+    the bias and GELU. The buffer, refilled by another layer in between, computes the first one's
+    outputs again; and they are the float64 product of the weights it dequantized (int4pack_dequantize,
+    checked against the kernel's own in the test above) within bf16's rounding of each output."""
     from gpt2 import quantize
     torch.manual_seed(0)
     N, K = 192, 64  # read in 3 blocks of 64 rows (a width that is not a multiple of 64 rejects the path)
     w, b = torch.randn(N, K) * 0.1, (torch.randn(N) * 0.1).to(torch.bfloat16)
     fmt = format_named("int4", "int4pack")
     t = {k: getattr(v, "obj", v) for k, v in fmt.pack(w, b.float()).items()}
+    other = {k: getattr(v, "obj", v) for k, v in fmt.pack(torch.randn(2 * N, K), None).items()}
     x = torch.randn(300, K).to(torch.bfloat16)
     for activation in (None, "gelu_tanh"):
         whole = fmt.paths[path](x, t, b, activation)
         monkeypatch.setitem(quantize.DEQUANT_BLOCK, dtype, 64 * K)
         blocks = fmt.paths[path](x, t, b, activation)
         monkeypatch.undo()
-        assert whole.dtype == blocks.dtype == torch.bfloat16
+        fmt.paths[path](x, other, None, None)  # another layer through the same buffer
+        again = fmt.paths[path](x, t, b, activation)
+        assert whole.dtype == blocks.dtype == again.dtype == torch.bfloat16
         assert blocks.shape == whole.shape == (300, N)
-        torch.testing.assert_close(blocks.float(), whole.float(), rtol=2 ** -7, atol=1e-3)
+        assert torch.equal(blocks, whole) and torch.equal(again, whole)
+        weight = quantize.int4pack_dequantize(t["int4pack"], t["scales_zeros_padded"], dtype)  # (N, K)
+        exact = x.double() @ weight.double().t() + b.double()  # (300, N)
+        if activation:
+            exact = F.gelu(exact, approximate="tanh")
+        torch.testing.assert_close(whole.double(), exact, rtol=2 ** -7, atol=1e-3)
 
 
 def test_int4_pads_an_output_width_that_is_not_a_multiple_of_16():

@@ -76,7 +76,7 @@ from gpt2.quantize import (CPU_FORMATS, KV_DTYPES, REGIMES, WeightFormat, _Packe
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 17 # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
+CACHE_VERSION = 18 # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
                    # 4: the bf16 oneDNN format keeps only its packed weight (no float32-GEMM path);
                    # 5: entries keyed by the layer's own precision (int4 and int8 plans share the int8 lm_head);
                    # 6: int4's "dequant bf16" writes a (K, N) weight and fuses bias and GELU; paths cast their
@@ -92,7 +92,8 @@ CACHE_VERSION = 17 # 2: decode copies own their storage (version 1 timed float32
                    # 14: and the lm_head after them (_turns), not alone; 15: every format's copies are read in
                    # every round (_reader), so they share the span; 16: int4's "dequant fp32" (MKL's GEMM);
                    # 17: bf16's oneDNN format has a float32-GEMM path for many rows (_onednn_upcast); a path
-                   # skipped at prefill is still timed at long where short shows it may win there (_may_win)
+                   # skipped at prefill is still timed at long where short shows it may win there (_may_win);
+                   # 18: int4's dequant paths multiply the whole weight in one GEMM (quantize._dequant_buffer)
 # The files cached_measurement keeps (training.json, lm_head.json, cpu_cache.json) carry their own version:
 # a change to the kernel plans above leaves them valid.
 MEASUREMENT_CACHE_VERSION = 5

@@ -510,7 +510,7 @@ def _nibbles_in_row_order(blocks: torch.Tensor, order: str) -> torch.Tensor:
 
 
 def int4pack_dequantize(packed: torch.Tensor, scales_zeros: torch.Tensor,
-                        dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                        dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
     """The weight (N, K) that _weight_int4pack_mm_for_cpu computes with, from its own packed form: in
     bf16, or in float32 as the kernel itself computes (q - 8) s + z before multiplying.
 
@@ -518,9 +518,10 @@ def int4pack_dequantize(packed: torch.Tensor, scales_zeros: torch.Tensor,
     and AVX2 CPUs); scales_zeros (K/group, N, 2) bf16. A torch or CPU whose layout is none of the known
     ones raises here, and kernels.py's check rejects the path: never wrong numbers.
 
-    Returned as the transpose of a contiguous (K, N): the blocks (N/block, K, block) become (K, N) by
-    copying runs of `block` values, where a contiguous (N, K) would take a transpose element by element
-    (measured 1.3-1.6x slower for the whole dequantization); GEMMs read either layout.
+    Written into out (K, N) of dtype (any strides: a block of columns of a larger buffer), or a new
+    one, and returned as its transpose: the blocks (N/block, K, block) land in (K, N) as runs of `block`
+    values, written there by the same op that scales them (a contiguous (N, K) would take a transpose
+    element by element, measured 1.3-1.6x slower for the whole dequantization); GEMMs read either layout.
     """
     layout = int4pack_layout()
     if layout is None:
@@ -535,45 +536,61 @@ def int4pack_dequantize(packed: torch.Tensor, scales_zeros: torch.Tensor,
     by_block = scales_zeros.to(dtype).reshape(G, N // block, block, 2).transpose(0, 1)  # (N/block, G, block, 2)
     scale = by_block[..., 0].unsqueeze(2).contiguous()  # (N/block, G, 1, block)
     zero = by_block[..., 1].unsqueeze(2).contiguous()
-    w = torch.addcmul(zero, q, scale)  # (q - 8) s + z, rounded once to dtype: (N/block, G, K/G, block)
-    return w.view(N // block, K, block).permute(1, 0, 2).reshape(K, N).t()  # (N, K), strides (1, N)
+    out = torch.empty(K, N, dtype=dtype) if out is None else out
+    # (q - 8) s + z, rounded once to dtype, element [n/block, k/(K/G), k % (K/G), n % block] to out[k, n]
+    torch.addcmul(zero, q, scale, out=out.view(G, K // G, N // block, block).permute(2, 0, 1, 3))
+    return out.t()  # (N, K), strides (1, N) where out is a whole (K, N)
 
 
-# Weights _int4pack_dequant makes `dtype` per GEMM call. Dequantized whole, a 6400x1600 weight (gpt2-xl's
-# c_fc) has intermediates of 10-20 MB, fresh allocations that page-fault on every call: 28-34 ms a call at
-# any row count, against 12-18 ms in blocks of 4M bf16 weights (Intel Xeon, BENCHMARKS.md), so 124M's and
-# 355M's weights stay whole in bf16. In float32 blocks of 4M weights page-faulted already at 124M's
-# 2304x768 (13.2 against 8.6 ms at 512 rows with glibc's heap kept); 786K ran fastest across its shapes.
+# _int4pack_dequant dequantizes DEQUANT_BLOCK[dtype] weights at a time (their intermediates stay small: a
+# 6400x1600 weight, gpt2-xl's c_fc, dequantized whole made 10-20 MB of fresh allocations that page-fault on
+# every call), into one (K, N) buffer per thread and dtype that lives on (_dequant_buffer), and multiplies
+# the whole weight in one GEMM: measured on an Intel Xeon without AVX512_BF16 at 512 rows, 1.15-1.27x
+# faster than a float32 GEMM per block of 786K weights (2304x768: 10.9 against 12.9 ms; 768x3072: 16.1
+# against 20.3), which had been the fastest block there when each block's weight was a fresh allocation.
 DEQUANT_BLOCK = {torch.bfloat16: 1 << 22, torch.float32: 3 << 18}
+_dequant_buffers = threading.local()  # dtype -> the largest (K * N) buffer this thread's calls have needed
+
+
+def _dequant_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A flat buffer of at least numel elements of dtype, this thread's own, kept for its next calls:
+    a prefill dequantizes into it layer after layer without allocating (largest layer: 9.4 MB for 124M's
+    float32 weights, 41 MB for gpt2-xl's). One a thread: the server's and a draft's threads never share."""
+    buffers = getattr(_dequant_buffers, "by_dtype", None)
+    if buffers is None:
+        buffers = _dequant_buffers.by_dtype = {}
+    buffer = buffers.get(dtype)
+    if buffer is None or buffer.numel() < numel:
+        with torch.inference_mode(False):  # a normal tensor: written in place in or out of inference mode
+            buffer = buffers[dtype] = torch.empty(numel, dtype=dtype)
+    return buffer[:numel]
 
 
 def _int4pack_dequant(dtype: torch.dtype) -> Path:
-    """Long prefills: the weight made `dtype` once per call, a block of output rows at a time, each block
-    multiplied by a GEMM in that dtype. For hundreds of rows this runs faster than the int4 kernel's own
-    (measured by kernels.py): bf16 through oneDNN with the bias and GELU fused, where bf16 GEMMs are fast
-    (AMX, or an AMD EPYC's AVX512_BF16); float32 through MKL, where bf16 GEMMs are slow (an Intel Xeon
-    without AMX: half the float32 rate, or without AVX512_BF16 at all). y is bf16 either way, as from
-    every int4 path: a bf16 KV cache then holds c_attn's keys as they are (keys_are_bf16)."""
+    """Long prefills: the weight made `dtype` once per call, a block of output rows at a time, into one
+    buffer (_dequant_buffer), then multiplied by one GEMM in that dtype. For hundreds of rows this runs
+    faster than the int4 kernel's own (measured by kernels.py): bf16 through oneDNN with the bias and GELU
+    fused, where bf16 GEMMs are fast (AMX, or an AMD EPYC's AVX512_BF16); float32 through MKL, where bf16
+    GEMMs are slow (an Intel Xeon without AMX: half the float32 rate, or without AVX512_BF16 at all). y is
+    bf16 either way, as from every int4 path: a bf16 KV cache then holds c_attn's keys as they are
+    (keys_are_bf16)."""
     def path(x, t, bias, activation):
         packed, scales_zeros, n_out = t["int4pack"], t["scales_zeros_padded"], t["out_features"]
         x = x.to(dtype)
         b = None if bias is None else bias.to(dtype)
-        post_op = ("none", "") if activation is None else ("gelu", "tanh")
+        N, K = packed.size(0), 2 * packed.size(1)  # N padded to a multiple of 16
         block = (int4pack_layout() or (64,))[0]  # None: int4pack_dequantize raises below
-        rows = max(block, DEQUANT_BLOCK[dtype] // x.size(1) // block * block)  # whole blocks of its packing
-        # bf16 without oneDNN (AVX2): ATen's bf16 GEMM, slower (kernels.py measures it so)
-        onednn = dtype == torch.bfloat16 and onednn_runs(torch.bfloat16)
-        ys = []
-        for start in range(0, n_out, rows):
-            stop = min(start + rows, n_out)
-            w = int4pack_dequantize(packed[start:start + rows], scales_zeros[:, start:start + rows], dtype)
-            w, b_rows = w[: stop - start], None if b is None else b[start:stop]  # padding rows dropped
-            if onednn:
-                y = torch.ops.mkldnn._linear_pointwise(x, w, b_rows, post_op[0], [], post_op[1])
-            else:
-                y = _act(F.linear(x, w, b_rows), activation)
-            ys.append(y.to(torch.bfloat16))  # each block rounded as it comes: half the bytes to join
-        return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
+        rows = max(block, DEQUANT_BLOCK[dtype] // K // block * block)  # whole blocks of its packing
+        w = _dequant_buffer(K * N, dtype).view(K, N)
+        for start in range(0, N, rows):
+            int4pack_dequantize(packed[start:start + rows], scales_zeros[:, start:start + rows], dtype,
+                                out=w[:, start:start + rows])
+        w = w[:, :n_out].t()  # (n_out, K): padding rows dropped
+        if dtype == torch.bfloat16 and onednn_runs(torch.bfloat16):
+            post_op = ("none", "") if activation is None else ("gelu", "tanh")
+            return torch.ops.mkldnn._linear_pointwise(x, w, b, post_op[0], [], post_op[1])
+        # float32 through MKL, or bf16 without oneDNN (AVX2): ATen's bf16 GEMM, slower (kernels.py measures it so)
+        return _act(F.linear(x, w, b), activation).to(torch.bfloat16)
     return path
 
 
