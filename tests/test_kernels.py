@@ -405,8 +405,8 @@ def test_int4_dequantized_in_blocks_of_rows_equals_the_whole(monkeypatch, path, 
     """int4pack's "dequant bf16" and "dequant fp32" dequantize DEQUANT_BLOCK[dtype] weights at a time into
     one buffer a thread keeps (quantize._dequant_buffer), then run one GEMM. Three blocks of 64 rows give
     the weight one block over the whole does, element by element: the same outputs, bit for bit, with
-    the bias and GELU. The buffer, refilled by another layer in between, computes the first one's
-    outputs again; and they are the float64 product of the weights it dequantized (int4pack_dequantize,
+    the bias and GELU. The buffer, refilled in between by another layer of the same shape (which gets its
+    own outputs: no kernel keeps a weight by its address), computes the first one's outputs again; and they are the float64 product of the weights it dequantized (int4pack_dequantize,
     checked against the kernel's own in the test above) within bf16's rounding of each output."""
     from gpt2 import quantize
     torch.manual_seed(0)
@@ -414,15 +414,17 @@ def test_int4_dequantized_in_blocks_of_rows_equals_the_whole(monkeypatch, path, 
     w, b = torch.randn(N, K) * 0.1, (torch.randn(N) * 0.1).to(torch.bfloat16)
     fmt = format_named("int4", "int4pack")
     t = {k: getattr(v, "obj", v) for k, v in fmt.pack(w, b.float()).items()}
-    other = {k: getattr(v, "obj", v) for k, v in fmt.pack(torch.randn(2 * N, K), None).items()}
+    other = {k: getattr(v, "obj", v) for k, v in fmt.pack(torch.randn(N, K), None).items()}  # same shape, same buffer
     x = torch.randn(300, K).to(torch.bfloat16)
     for activation in (None, "gelu_tanh"):
         whole = fmt.paths[path](x, t, b, activation)
         monkeypatch.setitem(quantize.DEQUANT_BLOCK, dtype, 64 * K)
         blocks = fmt.paths[path](x, t, b, activation)
         monkeypatch.undo()
-        fmt.paths[path](x, other, None, None)  # another layer through the same buffer
+        other_y = fmt.paths[path](x, other, None, None)  # another layer through the same buffer
         again = fmt.paths[path](x, t, b, activation)
+        other_w = quantize.int4pack_dequantize(other["int4pack"], other["scales_zeros_padded"], dtype)
+        torch.testing.assert_close(other_y.double(), x.double() @ other_w.double().t(), rtol=2 ** -7, atol=1e-3)
         assert whole.dtype == blocks.dtype == again.dtype == torch.bfloat16
         assert blocks.shape == whole.shape == (300, N)
         assert torch.equal(blocks, whole) and torch.equal(again, whole)
