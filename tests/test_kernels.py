@@ -435,6 +435,26 @@ def test_int4_dequantized_in_blocks_of_rows_equals_the_whole(monkeypatch, path, 
         torch.testing.assert_close(whole.double(), exact, rtol=2 ** -7, atol=1e-3)
 
 
+@pytest.mark.parametrize("path", ["dequant bf16", "dequant fp32"])
+def test_int4_dequant_paths_export_for_a_packaged_step_of_many_rows(path):
+    """A packaged decode step of 33+ rows (engine.PackagedDecodeStep) takes a layer's "short" path, which a
+    plan may make int4's dequant path: torch.export traces it, its decompositions run (functionalized, as
+    AOTInductor runs them), and the exported layer computes what the eager one does. Eagerly the path writes
+    into a buffer its thread keeps, through a permuted view; a graph may not mutate a tensor from outside it
+    (AOTInductor: "mutating a non-functional tensor"), so there it dequantizes into its own, without out=."""
+    from gpt2.quantize import FastLinear
+    torch.manual_seed(0)
+    w, b = torch.randn(192, 64) * 0.1, torch.randn(192) * 0.1
+    layer = FastLinear(format_named("int4", "int4pack"), w, b, dict.fromkeys(kernels.REGIMES, path), "gelu_tanh")
+    x = torch.randn(40, 64)
+    with torch.inference_mode():
+        eager = layer(x)
+    with torch.inference_mode():  # as the engine exports a step (engine.PackagedDecodeStep)
+        traced = torch.export.export(layer, (x,), strict=False).run_decompositions().module()(x)
+    assert traced.dtype == eager.dtype
+    torch.testing.assert_close(traced.float(), eager.float(), rtol=2 ** -7, atol=1e-3)  # bf16 outputs
+
+
 def test_int4_pads_an_output_width_that_is_not_a_multiple_of_16():
     fmt = next(f for f in formats_for("int4") if f.name == "int4pack")
     w = torch.randn(50, 64)

@@ -518,10 +518,10 @@ def int4pack_dequantize(packed: torch.Tensor, scales_zeros: torch.Tensor,
     and AVX2 CPUs); scales_zeros (K/group, N, 2) bf16. A torch or CPU whose layout is none of the known
     ones raises here, and kernels.py's check rejects the path: never wrong numbers.
 
-    Written into out (K, N) of dtype (any strides: a block of columns of a larger buffer), or a new
-    one, and returned as its transpose: the blocks (N/block, K, block) land in (K, N) as runs of `block`
-    values, written there by the same op that scales them (a contiguous (N, K) would take a transpose
-    element by element, measured 1.3-1.6x slower for the whole dequantization); GEMMs read either layout.
+    Returned as the transpose of a (K, N): the blocks (N/block, K, block) land in (K, N) as runs of
+    `block` values (a contiguous (N, K) would take a transpose element by element, measured 1.3-1.6x
+    slower for the whole dequantization); GEMMs read either layout. Given out (K, N) of dtype (any
+    strides: a block of columns of a larger buffer), the op that scales them writes them there.
     """
     layout = int4pack_layout()
     if layout is None:
@@ -536,10 +536,12 @@ def int4pack_dequantize(packed: torch.Tensor, scales_zeros: torch.Tensor,
     by_block = scales_zeros.to(dtype).reshape(G, N // block, block, 2).transpose(0, 1)  # (N/block, G, block, 2)
     scale = by_block[..., 0].unsqueeze(2).contiguous()  # (N/block, G, 1, block)
     zero = by_block[..., 1].unsqueeze(2).contiguous()
-    out = torch.empty(K, N, dtype=dtype) if out is None else out
-    # (q - 8) s + z, rounded once to dtype, element [n/block, k/(K/G), k % (K/G), n % block] to out[k, n]
+    if out is None:  # a new tensor, computed without out= (a traced graph mutates none of its views)
+        w = torch.addcmul(zero, q, scale)  # (q - 8) s + z, rounded once to dtype: (N/block, G, K/G, block)
+        return w.view(N // block, K, block).permute(1, 0, 2).reshape(K, N).t()  # (N, K), strides (1, N)
+    # the same, element [n/block, k/(K/G), k % (K/G), n % block] written straight to out[k, n]
     torch.addcmul(zero, q, scale, out=out.view(G, K // G, N // block, block).permute(2, 0, 1, 3))
-    return out.t()  # (N, K), strides (1, N) where out is a whole (K, N)
+    return out.t()
 
 
 # _int4pack_dequant dequantizes DEQUANT_BLOCK[dtype] weights at a time (their intermediates stay small: a
@@ -579,13 +581,16 @@ def _int4pack_dequant(dtype: torch.dtype) -> Path:
         x = x.to(dtype)
         b = None if bias is None else bias.to(dtype)
         N, K = packed.size(0), 2 * packed.size(1)  # N padded to a multiple of 16
-        block = (int4pack_layout() or (64,))[0]  # None: int4pack_dequantize raises below
-        rows = max(block, DEQUANT_BLOCK[dtype] // K // block * block)  # whole blocks of its packing
-        w = _dequant_buffer(K * N, dtype).view(K, N)
-        for start in range(0, N, rows):
-            int4pack_dequantize(packed[start:start + rows], scales_zeros[:, start:start + rows], dtype,
-                                out=w[:, start:start + rows])
-        w = w[:, :n_out].t()  # (n_out, K): padding rows dropped
+        if torch.compiler.is_compiling():  # a graph (a compiled step of 33+ rows) mutates only its own tensors
+            w = int4pack_dequantize(packed, scales_zeros, dtype)[:n_out]
+        else:
+            block = (int4pack_layout() or (64,))[0]  # None: int4pack_dequantize raises below
+            rows = max(block, DEQUANT_BLOCK[dtype] // K // block * block)  # whole blocks of its packing
+            w = _dequant_buffer(K * N, dtype).view(K, N)
+            for start in range(0, N, rows):
+                int4pack_dequantize(packed[start:start + rows], scales_zeros[:, start:start + rows], dtype,
+                                    out=w[:, start:start + rows])
+            w = w[:, :n_out].t()  # (n_out, K): padding rows dropped
         if dtype == torch.bfloat16 and onednn_runs(torch.bfloat16):
             post_op = ("none", "") if activation is None else ("gelu", "tanh")
             return torch.ops.mkldnn._linear_pointwise(x, w, b, post_op[0], [], post_op[1])
