@@ -441,7 +441,8 @@ def test_int4_dequant_paths_export_for_a_packaged_step_of_many_rows(path):
     plan may make int4's dequant path: torch.export traces it, its decompositions run (functionalized, as
     AOTInductor runs them), and the exported layer computes what the eager one does. Eagerly the path writes
     into a buffer its thread keeps, through a permuted view; a graph may not mutate a tensor from outside it
-    (AOTInductor: "mutating a non-functional tensor"), so there it dequantizes into its own, without out=."""
+    (AOTInductor: "mutating a non-functional tensor"), so there it dequantizes into its own, without out=.
+    torch.compile's graph (the engine's fallback) too: the packing's layout, probed eagerly, is a constant."""
     from gpt2.quantize import FastLinear
     torch.manual_seed(0)
     w, b = torch.randn(192, 64) * 0.1, torch.randn(192) * 0.1
@@ -451,8 +452,11 @@ def test_int4_dequant_paths_export_for_a_packaged_step_of_many_rows(path):
         eager = layer(x)
     with torch.inference_mode():  # as the engine exports a step (engine.PackagedDecodeStep)
         traced = torch.export.export(layer, (x,), strict=False).run_decompositions().module()(x)
-    assert traced.dtype == eager.dtype
-    torch.testing.assert_close(traced.float(), eager.float(), rtol=2 ** -7, atol=1e-3)  # bf16 outputs
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, fullgraph=True)(x)  # the engine's fallback: the layout read as a constant
+    for y in (traced, compiled):
+        assert y.dtype == eager.dtype
+        torch.testing.assert_close(y.float(), eager.float(), rtol=2 ** -7, atol=1e-3)  # bf16 outputs
 
 
 def test_int4_pads_an_output_width_that_is_not_a_multiple_of_16():

@@ -481,9 +481,13 @@ def _int4pack(x, t, bias, activation):
     return _act(y if bias is None else y.add_(bias), activation)
 
 
-@functools.cache
+_int4pack_layouts: dict[str, tuple[int, str] | None] = {}  # this process's, once probed
+
+
 def int4pack_layout() -> tuple[int, str] | None:
     """How this process's _convert_weight_to_int4pack_for_cpu lays out nibbles: (block, order), or None.
+    Probed once, when the first int4 weight is packed (eagerly): a compiled graph then reads the result as
+    a constant from _int4pack_layouts, where tracing the probe (a data-dependent `equal`) would fail.
 
     The packed (N, K/2) uint8 is [N/block][K][block/2]: a block of output rows at a time, and for each
     column k of it, block/2 bytes of two nibbles each. ATen picks the layout by the CPU's vector width:
@@ -492,6 +496,12 @@ def int4pack_layout() -> tuple[int, str] | None:
     ("pairs"). None of this is documented, so it is found by packing a small weight once and comparing
     the bytes with each candidate's; None if none matches (int4pack_dequantize then raises, and
     kernels.py rejects the path that needs it)."""
+    if "layout" not in _int4pack_layouts:
+        _int4pack_layouts["layout"] = _probe_int4pack_layout()
+    return _int4pack_layouts["layout"]
+
+
+def _probe_int4pack_layout() -> tuple[int, str] | None:
     N, K = 128, 64
     q = (torch.arange(N).view(N, 1) * 5 + torch.arange(K).view(1, K) * 3 + torch.arange(N).view(N, 1) // 16) % 16
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1)
@@ -581,16 +591,16 @@ def _int4pack_dequant(dtype: torch.dtype) -> Path:
         x = x.to(dtype)
         b = None if bias is None else bias.to(dtype)
         N, K = packed.size(0), 2 * packed.size(1)  # N padded to a multiple of 16
-        if torch.compiler.is_compiling():  # a graph (a compiled step of 33+ rows) mutates only its own tensors
-            w = int4pack_dequantize(packed, scales_zeros, dtype)[:n_out]
-        else:
-            block = (int4pack_layout() or (64,))[0]  # None: int4pack_dequantize raises below
-            rows = max(block, DEQUANT_BLOCK[dtype] // K // block * block)  # whole blocks of its packing
-            w = _dequant_buffer(K * N, dtype).view(K, N)
-            for start in range(0, N, rows):
-                int4pack_dequantize(packed[start:start + rows], scales_zeros[:, start:start + rows], dtype,
-                                    out=w[:, start:start + rows])
-            w = w[:, :n_out].t()  # (n_out, K): padding rows dropped
+        if torch.compiler.is_compiling():  # a compiled step of 33+ rows: a graph mutates only its own tensors,
+            w = int4pack_dequantize(packed, scales_zeros, dtype)[:n_out]  # and Inductor lowers the GEMM its way
+            return _act(F.linear(x, w, b), activation).to(torch.bfloat16)  # (not oneDNN's on a traced weight)
+        block = (int4pack_layout() or (64,))[0]  # None: int4pack_dequantize raises below
+        rows = max(block, DEQUANT_BLOCK[dtype] // K // block * block)  # whole blocks of its packing
+        w = _dequant_buffer(K * N, dtype).view(K, N)
+        for start in range(0, N, rows):
+            int4pack_dequantize(packed[start:start + rows], scales_zeros[:, start:start + rows], dtype,
+                                out=w[:, start:start + rows])
+        w = w[:, :n_out].t()  # (n_out, K): padding rows dropped
         if dtype == torch.bfloat16 and onednn_runs(torch.bfloat16):
             post_op = ("none", "") if activation is None else ("gelu", "tanh")
             return torch.ops.mkldnn._linear_pointwise(x, w, b, post_op[0], [], post_op[1])
@@ -778,11 +788,20 @@ def _u8s8_sums_exactly(engine: str) -> bool:
     return bool(((y - torch.ones(1, 64) @ w.t()).abs() < 1e-3).all())
 
 
-@functools.cache
+_onednn_runs: dict[torch.dtype, bool] = {}  # dtype -> probed, once a process
+
+
 def onednn_runs(dtype: torch.dtype) -> bool:
     """Whether oneDNN packs and runs a linear in dtype on this CPU (probed once on a 16x16 weight): bf16
     needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and raises on an AVX2-only CPU. The inference formats
-    and the training loss's lm_head (lm_head.py) both ask."""
+    and the training loss's lm_head (lm_head.py) both ask. Probed eagerly (choosing the formats asks
+    first), a compiled graph reads the answer as a constant from _onednn_runs: the probe is not traceable."""
+    if dtype not in _onednn_runs:
+        _onednn_runs[dtype] = _probe_onednn(dtype)
+    return _onednn_runs[dtype]
+
+
+def _probe_onednn(dtype: torch.dtype) -> bool:
     if not (torch.backends.mkldnn.is_available() and _has("mkldnn", "_reorder_linear_weight")()):
         return False
     try:
@@ -803,6 +822,7 @@ def _pack_int4(packed: bool, unpacked: bool):
         q, scales_zeros = quantize_int4_groups_cached(w)
         tensors = {"scales_zeros": scales_zeros.to(torch.bfloat16)}
         if packed:  # the CPU kernel's own blocked layout, which needs N % 16 == 0: pad with zero weights
+            int4pack_layout()  # probed here, eagerly, for the dequant paths (compiled ones too)
             pad = -q.size(0) % 16  # none in GPT-2's blocks: no padded copy of q then
             padded = F.pad(q, (0, 0, 0, pad), value=8) if pad else q
             tensors["int4pack"] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(padded, 1)
