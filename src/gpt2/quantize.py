@@ -481,13 +481,25 @@ def _int4pack(x, t, bias, activation):
     return _act(y if bias is None else y.add_(bias), activation)
 
 
-_int4pack_layouts: dict[str, tuple[int, str] | None] = {}  # this process's, once probed
+def _probed_once(probe: Callable) -> Callable:
+    """functools.cache for a probe of this machine that a compiled path asks too: its answers sit in a
+    plain dict, which a graph reads as constants once the probe has run eagerly. Dynamo traces through
+    functools.cache's wrapper into the probe itself, whose ops (a data-dependent `equal`, a backend
+    check it skips) fail in a graph."""
+    answers: dict = {}
+
+    @functools.wraps(probe)
+    def answer(*args):
+        if args not in answers:
+            answers[args] = probe(*args)
+        return answers[args]
+    return answer
 
 
+@_probed_once
 def int4pack_layout() -> tuple[int, str] | None:
     """How this process's _convert_weight_to_int4pack_for_cpu lays out nibbles: (block, order), or None.
-    Probed once, when the first int4 weight is packed (eagerly): a compiled graph then reads the result as
-    a constant from _int4pack_layouts, where tracing the probe (a data-dependent `equal`) would fail.
+    Probed when the first int4 weight is packed (eagerly), so that a compiled dequant path reads it.
 
     The packed (N, K/2) uint8 is [N/block][K][block/2]: a block of output rows at a time, and for each
     column k of it, block/2 bytes of two nibbles each. ATen picks the layout by the CPU's vector width:
@@ -496,12 +508,6 @@ def int4pack_layout() -> tuple[int, str] | None:
     ("pairs"). None of this is documented, so it is found by packing a small weight once and comparing
     the bytes with each candidate's; None if none matches (int4pack_dequantize then raises, and
     kernels.py rejects the path that needs it)."""
-    if "layout" not in _int4pack_layouts:
-        _int4pack_layouts["layout"] = _probe_int4pack_layout()
-    return _int4pack_layouts["layout"]
-
-
-def _probe_int4pack_layout() -> tuple[int, str] | None:
     N, K = 128, 64
     q = (torch.arange(N).view(N, 1) * 5 + torch.arange(K).view(1, K) * 3 + torch.arange(N).view(N, 1) // 16) % 16
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1)
@@ -788,20 +794,12 @@ def _u8s8_sums_exactly(engine: str) -> bool:
     return bool(((y - torch.ones(1, 64) @ w.t()).abs() < 1e-3).all())
 
 
-_onednn_runs: dict[torch.dtype, bool] = {}  # dtype -> probed, once a process
-
-
+@_probed_once
 def onednn_runs(dtype: torch.dtype) -> bool:
     """Whether oneDNN packs and runs a linear in dtype on this CPU (probed once on a 16x16 weight): bf16
     needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and raises on an AVX2-only CPU. The inference formats
-    and the training loss's lm_head (lm_head.py) both ask. Probed eagerly (choosing the formats asks
-    first), a compiled graph reads the answer as a constant from _onednn_runs: the probe is not traceable."""
-    if dtype not in _onednn_runs:
-        _onednn_runs[dtype] = _probe_onednn(dtype)
-    return _onednn_runs[dtype]
-
-
-def _probe_onednn(dtype: torch.dtype) -> bool:
+    and the training loss's lm_head (lm_head.py) both ask, eagerly first (choosing the formats), and
+    int4's compiled dequant path after them."""
     if not (torch.backends.mkldnn.is_available() and _has("mkldnn", "_reorder_linear_weight")()):
         return False
     try:
