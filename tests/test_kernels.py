@@ -406,8 +406,9 @@ def test_int4_dequantized_in_blocks_of_rows_equals_the_whole(monkeypatch, path, 
     one buffer a thread keeps (quantize._dequant_buffer), then run one GEMM. Three blocks of 64 rows give
     the weight one block over the whole does, element by element: the same outputs, bit for bit, with
     the bias and GELU. The buffer, refilled in between by another layer of the same shape (which gets its
-    own outputs: no kernel keeps a weight by its address), computes the first one's outputs again; and they are the float64 product of the weights it dequantized (int4pack_dequantize,
-    checked against the kernel's own in the test above) within bf16's rounding of each output."""
+    own outputs: no kernel keeps a weight by its address), computes the first one's outputs again; and
+    they are the float64 product of the weights it dequantized (int4pack_dequantize, checked against the
+    kernel's own in the test above) within bf16's rounding of each output."""
     from gpt2 import quantize
     torch.manual_seed(0)
     N, K = 192, 64  # read in 3 blocks of 64 rows (a width that is not a multiple of 64 rejects the path)
@@ -448,9 +449,8 @@ def test_int4_dequant_paths_export_for_a_packaged_step_of_many_rows(path):
     w, b = torch.randn(192, 64) * 0.1, torch.randn(192) * 0.1
     layer = FastLinear(format_named("int4", "int4pack"), w, b, dict.fromkeys(kernels.REGIMES, path), "gelu_tanh")
     x = torch.randn(40, 64)
-    with torch.inference_mode():
-        eager = layer(x)
     with torch.inference_mode():  # as the engine exports a step (engine.PackagedDecodeStep)
+        eager = layer(x)
         traced = torch.export.export(layer, (x,), strict=False).run_decompositions().module()(x)
         torch._dynamo.reset()
         compiled = torch.compile(layer, fullgraph=True)(x)  # the engine's fallback: the layout read as a constant
