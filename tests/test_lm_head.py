@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from gpt2.errors import ConfigError
 from gpt2.lm_head import candidate_plans, choose_head_plan, grouped_plans
 from gpt2.kernels import MEASUREMENT_CACHE_VERSION
-from gpt2.lm_head import HeadPlan, lm_head_cross_entropy
+from gpt2.lm_head import HeadPlan, lm_head_cross_entropy, softmax_and_target_log_probs
 
 ROWS, WIDTH, VOCAB = 70, 16, 37  # 70 rows: every chunk size leaves a ragged last chunk
 
@@ -72,6 +72,44 @@ def test_every_plan_under_bf16_autocast_matches_the_plain_autocast_head(plan):
     assert abs(loss.item() - reference.item()) < 1e-5
     for a, b in zip(torch.autograd.grad(loss, (x, weight)), torch.autograd.grad(reference, (x, weight))):
         assert (a - b).abs().max().item() < 2e-2 * b.abs().max().item()  # bf16 GEMMs both ways
+
+
+@pytest.mark.parametrize("sync_free", [False, True], ids=["cpu: softmax, log of the target", "gpu: log_softmax"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_target_log_probabilities_stay_exact_where_the_target_probability_underflows(sync_free, dtype):
+    # Rows whose target sits 0, 20, 95 (subnormal in float32) and 900 (0 even in float64) nats below the
+    # row's largest logit, in a row of 1,000 near-equal logits; the softmax path recomputes the last two.
+    torch.manual_seed(0)
+    gaps = torch.tensor([0.0, 20.0, 95.0, 900.0])
+    scores = torch.randn(4, 1000, dtype=torch.float64)
+    picked = torch.tensor([[3], [10], [500], [999]])
+    scores[torch.arange(4), picked.squeeze(1)] = scores.max(1).values - gaps
+    reference = torch.log_softmax(scores, -1)  # float64
+    probs, target_log_probs = softmax_and_target_log_probs(scores.to(dtype), picked, torch.empty_like(scores, dtype=dtype),
+                                                           sync_free=sync_free)
+    expected = reference.gather(1, picked).squeeze(1)
+    assert torch.isfinite(target_log_probs).all()
+    assert torch.allclose(target_log_probs.double(), expected, rtol=1e-6 if dtype == torch.float32 else 1e-13, atol=0)
+    assert torch.allclose(probs.double(), reference.exp(), rtol=1e-5, atol=1e-12)
+
+
+def test_a_loss_whose_targets_underflow_equals_plain_cross_entropy():
+    # Logits spread over hundreds of nats: some targets' float32 probabilities are 0 or subnormal.
+    x, weight, targets = head_inputs(torch.float32)
+    with torch.no_grad():
+        x.mul_(40.0)
+    x64, w64 = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    logits64 = x64 @ w64.t()
+    picked = logits64.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
+    gaps = (logits64.max(1).values - picked)[targets != -100]
+    assert (gaps > 104).any() and gaps.max() < 1e4  # exp(-gap) is 0 in float32 for some rows
+    reference = F.cross_entropy(logits64, targets, ignore_index=-100)
+    grads = torch.autograd.grad(reference, (x64, w64))
+    loss = lm_head_cross_entropy(x, weight, targets, HeadPlan("aten", 16, 16))
+    ours = torch.autograd.grad(loss, (x, weight))
+    assert abs(loss.item() - reference.item()) < 1e-6 * reference.item()
+    for a, b in zip(ours, grads):
+        assert torch.allclose(a.double(), b, atol=1e-6, rtol=1e-4)
 
 
 def test_plan_strings_round_trip_and_bad_plans_are_clear_errors():
