@@ -78,15 +78,24 @@ def test_every_plan_under_bf16_autocast_matches_the_plain_autocast_head(plan):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_target_log_probabilities_stay_exact_where_the_target_probability_underflows(sync_free, dtype):
     # Rows whose target sits 0, 20, 95 (subnormal in float32) and 900 (0 even in float64) nats below the
-    # row's largest logit, in a row of 1,000 near-equal logits; the softmax path recomputes the last two.
+    # row's largest logit, in a row of 1,000 near-equal logits; the softmax path scores those rows again.
     torch.manual_seed(0)
     gaps = torch.tensor([0.0, 20.0, 95.0, 900.0])
     scores = torch.randn(4, 1000, dtype=torch.float64)
     picked = torch.tensor([[3], [10], [500], [999]])
     scores[torch.arange(4), picked.squeeze(1)] = scores.max(1).values - gaps
     reference = torch.log_softmax(scores, -1)  # float64
-    probs, target_log_probs = softmax_and_target_log_probs(scores.to(dtype), picked, torch.empty_like(scores, dtype=dtype),
-                                                           sync_free=sync_free)
+    chunk = scores.to(dtype, copy=True)  # overwritten by the softmax
+    rescored = []
+
+    def rescore(rows):
+        rescored.append(rows.tolist())
+        return scores[rows].to(dtype)
+
+    probs, target_log_probs = softmax_and_target_log_probs(chunk, picked, rescore, sync_free=sync_free)
+    assert probs.data_ptr() == chunk.data_ptr()  # in place: one (n, V) buffer a chunk
+    underflowing = [2, 3] if dtype == torch.float32 else [3]
+    assert rescored == ([] if sync_free else [underflowing])  # only those rows are scored again
     expected = reference.gather(1, picked).squeeze(1)
     assert torch.isfinite(target_log_probs).all()
     assert torch.allclose(target_log_probs.double(), expected, rtol=1e-6 if dtype == torch.float32 else 1e-13, atol=0)

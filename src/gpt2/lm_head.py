@@ -25,6 +25,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -105,31 +106,34 @@ def lm_head_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.
     return _ChunkedLMHeadLoss.apply(x, weight, targets, plan, vocab_size or weight.size(0), needs_grad)
 
 
-def softmax_and_target_log_probs(scores: torch.Tensor, picked: torch.Tensor, out: torch.Tensor,
+def softmax_and_target_log_probs(scores: torch.Tensor, picked: torch.Tensor,
+                                 rescore: Callable[[torch.Tensor], torch.Tensor],
                                  sync_free: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(softmax(scores) written to out, (n,) log_softmax(scores) at each row's picked column).
+    """(softmax(scores), written over scores; (n,) log_softmax(scores) at each row's picked column).
 
-    scores (n, V), picked (n, 1). On a CPU: softmax, then the log of each target's probability, one
-    pass over the chunk fewer than log_softmax followed by exp (the gradient needs the probabilities):
-    ~20 ms of the quickstart's ~320 ms step. log(p) is as exact as log_softmax while p is a normal
-    float; a row whose target's probability is subnormal or 0 (its logit ~87 or more below the row's
-    largest, in float32) takes log_softmax of that row instead. Finding those rows reads a value on
-    the host, which would stall a GPU's queue once per chunk, so there (sync_free, the default off a
-    CPU) it is log_softmax and exp, as one path for every row.
+    scores (n, V), picked (n, 1). In place, a chunk occupies one (n, V) buffer instead of two, which
+    keeps more of it in cache (the quickstart's head: 5-7% faster). On a CPU: softmax, then the log of
+    each target's probability, a pass over the chunk fewer than log_softmax followed by exp (the
+    gradient needs the probabilities): ~20 ms of the quickstart's ~270 ms step. log(p) is as exact as
+    log_softmax while p is a normal float; a row whose target's probability is subnormal or 0 (its
+    logit ~87 or more below the row's largest, in float32) takes log_softmax of its scores again, from
+    rescore(rows) -> (k, V) (the softmax overwrote them). Finding those rows reads a value on the host,
+    which would stall a GPU's queue once per chunk, so there (sync_free, the default off a CPU) it is
+    log_softmax and exp, as one path for every row.
     """
     if sync_free is None:
         sync_free = scores.device.type != "cpu"
     if sync_free:
-        log_probs = torch.ops.aten._log_softmax.out(scores, -1, False, out=out)
+        log_probs = torch.ops.aten._log_softmax.out(scores, -1, False, out=scores)
         target_log_probs = log_probs.gather(1, picked).squeeze(1)
         return log_probs.exp_(), target_log_probs
-    probs = torch.ops.aten._softmax.out(scores, -1, False, out=out)
+    probs = torch.ops.aten._softmax.out(scores, -1, False, out=scores)
     target_probs = probs.gather(1, picked).squeeze(1)  # (n,)
     target_log_probs = target_probs.log()
-    underflowed = (target_probs < torch.finfo(probs.dtype).tiny).nonzero().squeeze(1)
+    underflowed = (target_probs < torch.finfo(probs.dtype).tiny).nonzero().squeeze(1)  # (k,): rare
     if underflowed.numel():
-        rows = torch.log_softmax(scores[underflowed], -1)  # (k, V), k rows: rare
-        target_log_probs[underflowed] = rows.gather(1, picked[underflowed]).squeeze(1)
+        again = torch.log_softmax(rescore(underflowed), -1)  # (k, V)
+        target_log_probs[underflowed] = again.gather(1, picked[underflowed]).squeeze(1)
     return probs, target_log_probs
 
 
@@ -156,8 +160,8 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         # (384 x 50257 float32: 28 ms fresh, 5 ms reused).
         chunk = min(plan.chunk_rows, x.size(0))
         logits_buf = torch.empty(chunk, w.size(0), dtype=gemm, device=x.device)  # logits, then bf16 dlogits
+        # float32 scores, then softmax, then softmax - one_hot, in place
         scores_buf = torch.empty_like(logits_buf, dtype=accumulate) if gemm != accumulate else logits_buf
-        probs_buf = torch.empty_like(scores_buf)  # softmax, then softmax - one_hot in place
         grad_w = WeightGradient(plan, x.size(0), onednn, accumulate, logits_buf) if needs_grad else None
         # every dtype below is explicit: autocast would only add dispatch work
         with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
@@ -175,7 +179,13 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
                     logits = torch.mm(xc, w.t(), out=logits_buf[:n])
                 scores = scores_buf[:n].copy_(logits) if gemm != accumulate else logits  # to float32
                 scores[:, vocab_size:] = -math.inf  # padding columns (none unless the vocabulary is padded)
-                probs, target_log_probs = softmax_and_target_log_probs(scores, picked, probs_buf[:n])
+
+                def rescore(rows: torch.Tensor) -> torch.Tensor:  # (k,) rows -> their (k, V) scores again
+                    again = (xc[rows] @ w.t()).to(accumulate)
+                    again[:, vocab_size:] = -math.inf
+                    return again
+
+                probs, target_log_probs = softmax_and_target_log_probs(scores, picked, rescore)
                 loss -= torch.where(scored, target_log_probs, 0.0).sum()
                 if not needs_grad:
                     continue
@@ -264,7 +274,7 @@ WEIGHT_GRAD_GROUPS = (2, 4, 8)   # weight-gradient GEMM every 2, 4 or 8 chunks (
 MAX_WEIGHT_GRAD_ROWS = 1024      # bounds the held dlogits: 1024 x 50257 in bf16 is 103 MB
 ROUNDS = 3
 PRUNE = 1.5                      # a plan whose first run is 1.5x the fastest first run is not timed again
-VERSION = 5  # in the cache key: a change to the head's implementation makes old timings stale
+VERSION = 6  # in the cache key: a change to the head's implementation makes old timings stale
 
 
 def candidate_plans(rows: int, n_embd: int) -> list[HeadPlan]:
