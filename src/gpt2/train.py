@@ -180,7 +180,8 @@ PRESETS: dict[str, dict] = {
     # 2 CPU cores, 5 minutes, Shakespeare. The tied 50257-wide lm_head is most of the FLOPs at these
     # widths, so a narrow model sees more tokens: width 96 reaches a lower val loss in 5 minutes than
     # 128 or 256 (4.94 vs 5.05 vs 5.37), and 8 layers lose to 4 (BENCHMARKS.md, Training). Small
-    # batches (1K tokens/step: B=8 beats 4 and 16), lr 1e-3 (2e-3 is worse), wte/wpe at 10x the lr,
+    # batches (1K tokens/step: B=8 beats 4 and 16), lr 1e-3 (2e-3 is worse), wte/wpe at 15x the lr
+    # (10x: 0.035 worse on average over 3 seeds at 978 steps, an Ice Lake Xeon's budget; 7x worse still),
     # beta2 0.99, and warmup-stable-decay with the last 40% decaying to 0 exactly at the time budget
     # (0.05 better than cosine). dtype auto: bf16 where a CPU's bf16 GEMMs win (an AMD EPYC: 5,160 vs
     # 3,300 tok/s, val 4.86 vs 5.08); with lm_head auto (the fused loss's measured plan) 5,790 tok/s,
@@ -190,7 +191,7 @@ PRESETS: dict[str, dict] = {
     "quickstart": dict(
         model=dict(n_layer=4, n_head=4, n_embd=96, n_positions=128, embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0),
         batch_size=8, seq_len=128, lr=1e-3, min_lr=0.0, warmup_steps=10, schedule="wsd", decay_fraction=0.4,
-        weight_decay=0.1, beta2=0.99, embedding_lr_scale=10.0, max_steps=100_000, max_minutes=4.5,
+        weight_decay=0.1, beta2=0.99, embedding_lr_scale=15.0, max_steps=100_000, max_minutes=4.5,
         eval_interval=100_000, eval_batches=32, checkpoint_interval=100_000, keep_last=2, dtype="auto"),
     # The published 124M reproduction (nanoGPT / llm.c): ~0.5M tokens per step, lr 6e-4 with 715 warmup
     # steps, cosine to 6e-5 over 19,073 steps = 10B tokens. For GPUs: bf16, compile, flash attention (SDPA).
