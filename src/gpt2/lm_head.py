@@ -112,9 +112,9 @@ def softmax_and_target_log_probs(scores: torch.Tensor, picked: torch.Tensor,
     """(softmax(scores), written over scores; (n,) log_softmax(scores) at each row's picked column).
 
     scores (n, V), picked (n, 1). In place, a chunk occupies one (n, V) buffer instead of two, which
-    keeps more of it in cache (the quickstart's head: 5-7% faster). On a CPU: softmax, then the log of
+    keeps more of it in cache (the quickstart's head on an Ice Lake Xeon: 5-10% faster). On a CPU: softmax, then the log of
     each target's probability, a pass over the chunk fewer than log_softmax followed by exp (the
-    gradient needs the probabilities): ~20 ms of the quickstart's ~270 ms step. log(p) is as exact as
+    gradient needs the probabilities): 15-30 ms of the quickstart's ~270 ms step there. log(p) is as exact as
     log_softmax while p is a normal float; a row whose target's probability is subnormal or 0 (its
     logit ~87 or more below the row's largest, in float32) takes log_softmax of its scores again, from
     rescore(rows) -> (k, V) (the softmax overwrote them). Finding those rows reads a value on the host,
@@ -189,7 +189,7 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
                 loss -= torch.where(scored, target_log_probs, 0.0).sum()
                 if not needs_grad:
                     continue
-                dlogits = probs
+                dlogits = probs  # (n, V): minus one_hot, in place, next
                 dlogits.scatter_add_(1, picked, -scored.to(accumulate).unsqueeze(1))  # minus one_hot(target)
                 row_scale = (scored.to(accumulate) / n_scored).unsqueeze(1)  # (n, 1); 0 for ignored rows
                 # The GEMM-dtype copy goes to the weight gradient's buffer when chunks are grouped, else
