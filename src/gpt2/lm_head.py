@@ -112,14 +112,14 @@ def softmax_and_target_log_probs(scores: torch.Tensor, picked: torch.Tensor,
     """(softmax(scores), written over scores; (n,) log_softmax(scores) at each row's picked column).
 
     scores (n, V), picked (n, 1). In place, a chunk occupies one (n, V) buffer instead of two, which
-    keeps more of it in cache (the quickstart's head on an Ice Lake Xeon: 5-10% faster). On a CPU: softmax, then the log of
-    each target's probability, a pass over the chunk fewer than log_softmax followed by exp (the
-    gradient needs the probabilities): 15-30 ms of the quickstart's ~270 ms step there. log(p) is as exact as
-    log_softmax while p is a normal float; a row whose target's probability is subnormal or 0 (its
-    logit ~87 or more below the row's largest, in float32) takes log_softmax of its scores again, from
-    rescore(rows) -> (k, V) (the softmax overwrote them). Finding those rows reads a value on the host,
-    which would stall a GPU's queue once per chunk, so there (sync_free, the default off a CPU) it is
-    log_softmax and exp, as one path for every row.
+    keeps more of it in cache (the quickstart's head on an Ice Lake Xeon: 5-10% faster). On a CPU:
+    softmax, then the log of each target's probability, a pass over the chunk fewer than log_softmax
+    followed by exp (the gradient needs the probabilities): 15-30 ms of the quickstart's ~270 ms step
+    there. log(p) is as exact as log_softmax while p is a normal float; a row whose target's
+    probability is subnormal or 0 (its logit ~87 or more below the row's largest, in float32) takes
+    log_softmax of its scores again, from rescore(rows) -> (k, V) (the softmax overwrote them).
+    Finding those rows reads a value on the host, which would stall a GPU's queue once per chunk, so
+    there (sync_free, the default off a CPU) it is log_softmax and exp, as one path for every row.
     """
     if sync_free is None:
         sync_free = scores.device.type != "cpu"
