@@ -1650,6 +1650,32 @@ def test_a_step_that_cannot_be_packaged_compiles_through_torch_compile(cause, mo
     assert not list(tmp_path.glob("*decode-*"))
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_package_that_would_not_fit_is_not_built_at_any_precision(precision, monkeypatch, tmp_path):
+    """The memory a package build needs counts every linear at the bytes it is stored at, int8 and int4 too
+    (engine.package_build_bytes: an int8 gpt2-xl's build peaks far above its 1.6 GB of weights); below it,
+    nothing is exported and the step goes to torch.compile (the test above)."""
+    model = apply_plan(tiny_model(), kernels.plan_for(tiny_model(), precision))
+    stored = quantize.linear_weight_bytes(model)
+    per_weight = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 5 / 8}  # int4: 4 bits + 4 bytes a group of 32
+    reference = {}
+    for _, _, layer, _ in linear_layers(model):
+        at = quantize.HEAD_PRECISION.get(precision, precision) if layer is model.lm_head else precision
+        reference[at] = reference.get(at, 0) + layer.out_features * layer.in_features * per_weight[at]
+    assert stored == pytest.approx(reference)
+    needed = engine.package_build_bytes(model)
+    assert needed == pytest.approx(sum(engine.PACKAGE_BUILD_BYTES_PER_WEIGHT_BYTE[p] * b for p, b in reference.items()))
+    assert needed > 0
+
+    def export(*args, **kwargs):
+        raise AssertionError("exported although it would not fit")
+    monkeypatch.setattr(torch.export, "export", export)
+    monkeypatch.setattr(engine, "package_path", lambda model, inputs: tmp_path / "decode-test.pt2")
+    monkeypatch.setattr(quantize, "available_memory_bytes", lambda: 0.99 * needed)
+    with pytest.raises(MemoryError, match="building it needs"):
+        engine._load_or_build_package(model, None)  # refused before the inputs are read
+
+
 def test_u8s8_engines_through_their_custom_op_and_plain_models_compile_through_torch_compile(monkeypatch):
     """Where the u8s8 paths compile through the engine (quantize.u8s8_compiles_from_tensors false), its packed
     weights are TorchScript objects a graph names by a per-process handle; a plain GPT's weights are not

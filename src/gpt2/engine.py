@@ -344,9 +344,18 @@ PACKAGE_ROWS = 32
 PACKAGE_OPTIONS = {"aot_inductor.package_constants_in_so": False,
                    "aot_inductor.package_constants_on_disk_format": "binary_blob"}
 # Building a package (export, Inductor packing every weight its own way, autotuning, writing the file and
-# loading it) peaked at ~6.2x the plain float32 and bf16 linear weights' bytes above the loaded model: 19 GB
-# for gpt2-xl in bf16, on a machine of 24 GB (BENCHMARKS.md). Where that is not available, nothing is built.
-PACKAGE_BUILD_BYTES_PER_WEIGHT_BYTE = 6.5
+# loading it) peaked, above the loaded model, at ~6.2x the float32 and bf16 linear weights' bytes (19 GB for
+# gpt2-xl in bf16, on a machine of 24 GB), ~9.6x the int8 ones (14.9 GB for gpt2-xl's 1.6 GB; 2.0 GB for
+# GPT-2 124M's 0.12) and, past its int8 lm_head, ~3x the int4 ones (3.5 GB in all for gpt2-xl), each
+# counted at the bytes it is stored in (quantize.WEIGHT_BYTES; BENCHMARKS.md). Where that is not available,
+# nothing is built.
+PACKAGE_BUILD_BYTES_PER_WEIGHT_BYTE = {"float32": 6.5, "bfloat16": 6.5, "int8": 10, "int4": 3.5}
+
+
+def package_build_bytes(model) -> float:
+    """The memory building model's package takes beyond the loaded model (PACKAGE_BUILD_BYTES_PER_WEIGHT_BYTE)."""
+    from gpt2.quantize import linear_weight_bytes
+    return sum(PACKAGE_BUILD_BYTES_PER_WEIGHT_BYTE[p] * stored for p, stored in linear_weight_bytes(model).items())
 
 
 class _StepModule(torch.nn.Module):
@@ -515,8 +524,8 @@ def _load_or_build_package(model, inputs):
         except Exception as error:  # a truncated or corrupt file: compile it again
             log.warning("compiled decode step %s does not load (%s): compiling it again", path, error)
             path.unlink(missing_ok=True)
-    from gpt2.quantize import add_compile_weights, available_memory_bytes, compiled_weight_bytes, drop_compile_weights
-    needed, available = PACKAGE_BUILD_BYTES_PER_WEIGHT_BYTE * compiled_weight_bytes(model), available_memory_bytes()
+    from gpt2.quantize import add_compile_weights, available_memory_bytes, drop_compile_weights
+    needed, available = package_build_bytes(model), available_memory_bytes()
     if needed > available:
         raise MemoryError(f"building it needs ~{needed / 1e9:.1f} GB, {available / 1e9:.1f} GB available")
     start, started = time.perf_counter(), time.time()

@@ -1245,11 +1245,25 @@ def drop_compile_weights(model: nn.Module) -> None:
     return_freed_memory()
 
 
-def compiled_weight_bytes(model: nn.Module) -> int:
+WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.625}  # a weight as stored, scales included
+
+
+def linear_weight_bytes(model: nn.Module) -> dict[str, float]:
+    """The bytes of the packed linear weights, by the precision each is stored at (an int4 model's lm_head
+    under int8: HEAD_PRECISION)."""
+    found: dict[str, float] = {}
+    for _, _, layer, _ in linear_layers(model):
+        if isinstance(layer, FastLinear):
+            precision = layer.format.precision
+            weights = layer.out_features * layer.in_features
+            found[precision] = found.get(precision, 0) + weights * WEIGHT_BYTES[precision]
+    return found
+
+
+def compiled_weight_bytes(model: nn.Module) -> float:
     """The bytes of the float32 and bf16 linear weights, which a compiled step's Inductor packs its own way."""
-    return sum(layer.out_features * layer.in_features * kernel_dtype(layer.format.precision).itemsize
-               for _, _, layer, _ in linear_layers(model)
-               if isinstance(layer, FastLinear) and layer.format.precision in ("float32", "bfloat16"))
+    found = linear_weight_bytes(model)
+    return found.get("float32", 0) + found.get("bfloat16", 0)
 
 
 @torch.no_grad()
