@@ -67,7 +67,6 @@ OURS = {"float32": "float32", "bfloat16": "bfloat16", "int8": "int8", "int4": "i
 LLAMA = {"float32": "F32", "bfloat16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
 # Bytes per weight a decode step reads: ours (int8: + a bf16 scale per row; int4: + bf16 scale and zero
 # per 32) and llama.cpp's block formats (Q8_0: 32 int8 + an f16 scale; Q4_0: 32 nibbles + an f16 scale).
-OURS_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.5 + 4 / 32}
 LLAMA_BYTES = {"float32": 4, "bfloat16": 2, "int8": 34 / 32, "int4": 18 / 32}
 PROMPT_LENGTH = 16  # decode's prompt (prompt_of); decode @L uses --long-prompt
 
@@ -411,14 +410,15 @@ def run_worker(kind: str, args, **extra) -> dict:
 
 
 def speed(args, model_dir: Path, gguf_dir: Path, n_weights: int) -> None:
+    from gpt2.quantize import WEIGHT_BYTES  # ours: a weight's bytes as stored, the roofline's
     contenders = [("transformers fp32", "hf", {}, None)] * (not args.no_hf)
     kv = f" kv {args.kv_dtype}" * (args.kv_dtype != "auto")
     for p in args.precisions:
         ours = {"precision": p, "model_dir": model_dir, "kv_dtype": args.kv_dtype}
         ours.update({"no_amx": True} if args.no_amx else {})
-        contenders.append((f"ours {p}{kv}", "ours", ours, OURS_BYTES[p]))
+        contenders.append((f"ours {p}{kv}", "ours", ours, WEIGHT_BYTES[p]))
         if args.compile:  # every precision has a compiled decode step
-            contenders.append((f"ours {p}{kv} compiled", "ours", {**ours, "compile": True}, OURS_BYTES[p]))
+            contenders.append((f"ours {p}{kv} compiled", "ours", {**ours, "compile": True}, WEIGHT_BYTES[p]))
         if not args.no_llama:
             contenders.append((f"llama.cpp {LLAMA[p]}", "llama", {"gguf": make_gguf(model_dir, p, gguf_dir)},
                                LLAMA_BYTES[p]))
