@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from gpt2.kernels import WEIGHT_BYTES  # bytes a decode call reads per weight, at each precision
-from gpt2.quantize import OFFSET_COLUMNS, PRECISIONS, layer_precision, linear_layers, load_for_inference
+from gpt2.quantize import (OFFSET_COLUMNS, PRECISIONS, WEIGHT_BYTES,  # a weight's bytes as stored, as decode reads it
+                           layer_precision, linear_layers, load_for_inference)
 
 from bench_cpu_inference import export_model, machine_report, time_decode
 

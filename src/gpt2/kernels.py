@@ -71,8 +71,8 @@ from pathlib import Path
 import torch
 
 from gpt2.atomic import atomic_write_json
-from gpt2.quantize import (CPU_FORMATS, KV_DTYPES, REGIMES, WeightFormat, _Packed, formats_for, kernel_dtype,
-                           layer_precision, linear_layers)
+from gpt2.quantize import (CPU_FORMATS, KV_DTYPES, REGIMES, WEIGHT_BYTES, WeightFormat, _Packed, formats_for,
+                           kernel_dtype, layer_precision, linear_layers)
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,6 @@ CACHE_VERSION = 18 # 2: decode copies own their storage (version 1 timed float32
 MEASUREMENT_CACHE_VERSION = 5
 ROWS = {"decode": 1, "batch": 8, "short": 64, "prefill": 128, "long": 512}  # the rows each regime is timed at
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2 ** -7, "int8": 2 ** -7, "int4": 2 ** -7}  # relative, see _check
-WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.5}  # per weight, as a decode call reads it
 REPEATS = 5
 LONG_SAMPLE_S = 0.1  # a call this long is timed once (_time_in_turn)
 FEATURE_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile")
@@ -802,7 +801,7 @@ def _copies(fmt, w, bias, tensors, round_weights: int | None = None) -> list[dic
     layer's of the turn in every format, _add_cold_copies; default: this one's) spans twice the cache this
     process gets, the first size that effective_cache_bytes found read at memory speed (decode reads
     memory): each copy is read again only after the others have pushed it out, as a model's weights are.
-    A weight's size is its precision's width (WEIGHT_BYTES), what a decode call reads: the
+    A weight's size is its bytes as stored (WEIGHT_BYTES), what a decode call reads: the
     tensors' own sizes mislead. MKL's packed tensor claims 2.6x the weight's bytes: counted so, 8 copies
     spanned under the cache, and MKL timed 154 us for 2304x768 float32 (47 GB/s, on a Xeon whose memory
     reads 20-28), 300 us past it, and the same in a model's decode as a plain F.linear."""
@@ -822,7 +821,8 @@ def _copies(fmt, w, bias, tensors, round_weights: int | None = None) -> list[dic
 
 
 def _weight_bytes(w: torch.Tensor, fmt: WeightFormat) -> float:
-    """What a decode call of the format reads of weight w: its precision's width a weight (WEIGHT_BYTES)."""
+    """What a decode call of the format reads of weight w: its bytes as stored (WEIGHT_BYTES; int4's scales
+    and zeros included)."""
     return w.numel() * WEIGHT_BYTES[fmt.precision]
 
 

@@ -1245,7 +1245,8 @@ def drop_compile_weights(model: nn.Module) -> None:
     return_freed_memory()
 
 
-# A weight as stored: int8 with a scale per row (negligible), int4 with 4 bytes of scale + zero per group
+# A weight's bytes as stored, which is what a decode call reads of it (the kernel measurement's copies, the
+# roofline): int8 with a scale per row (negligible), int4 with 4 bytes of scale + zero per group
 WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.5 + 4 / INT4_GROUP}
 
 
