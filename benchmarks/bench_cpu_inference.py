@@ -65,8 +65,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH_VENV = ROOT / ".bench-venv"
 OURS = {"float32": "float32", "bfloat16": "bfloat16", "int8": "int8", "int4": "int4"}
 LLAMA = {"float32": "F32", "bfloat16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
-# Bytes per weight a decode step reads: ours (int8: + a bf16 scale per row; int4: + bf16 scale and zero
-# per 32) and llama.cpp's block formats (Q8_0: 32 int8 + an f16 scale; Q4_0: 32 nibbles + an f16 scale).
+# Bytes per weight a decode step reads in llama.cpp's block formats (Q8_0: 32 int8 + an f16 scale; Q4_0: 32
+# nibbles + an f16 scale); ours are quantize.WEIGHT_BYTES (int4: + a bf16 scale and zero per 32).
 LLAMA_BYTES = {"float32": 4, "bfloat16": 2, "int8": 34 / 32, "int4": 18 / 32}
 PROMPT_LENGTH = 16  # decode's prompt (prompt_of); decode @L uses --long-prompt
 
