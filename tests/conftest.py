@@ -23,6 +23,16 @@ warnings.filterwarnings("ignore", message=".*eos_token_id.*")
 TINY = dict(n_layer=2, n_head=2, n_embd=16, vocab_size=97, n_positions=64)
 
 
+_REAL = {}  # what session_measurement_cache patched, as gpt2 has it
+
+
+def measure_busy_machines_as_gpt2_does(monkeypatch):
+    """For one test: a measurement taken while other processes took more than kernels.BUSY_SHARE of the
+    CPUs counts as busy again (the session counts every one as quiet)."""
+    from gpt2 import kernels
+    monkeypatch.setattr(kernels, "BUSY_SHARE", _REAL["BUSY_SHARE"])
+
+
 @pytest.fixture(scope="session", autouse=True)
 def session_measurement_cache(tmp_path_factory):
     """Kernel plans, the other measurements (speculation.json, training.json, ...), the packaged decode
@@ -34,6 +44,11 @@ def session_measurement_cache(tmp_path_factory):
     patch.setattr(kernels, "default_cache_path", lambda: path)
     patch.setattr(engine, "package_directory", lambda: path.parent / "compiled")  # packaged decode steps
     patch.setattr(quantize, "int4_cache_directory", lambda: path.parent / "int4")
+    # Every measurement counts as taken on a quiet machine, so a test that loads twice reads at the second
+    # load what its first measured, however busy the runner is (a build beside it, a VM's steal time).
+    # Tests of the busy-machine logic put the real threshold back (measure_busy_machines_as_gpt2_does).
+    _REAL["BUSY_SHARE"] = kernels.BUSY_SHARE
+    patch.setattr(kernels, "BUSY_SHARE", 1.0)
     yield path
     patch.undo()
 

@@ -27,6 +27,7 @@ from gpt2.quantize import (CPU_FORMATS, INT4_GROUP, PRECISIONS, FastLinear, add_
                            quantize_int4_groups, quantize_per_channel)
 from gpt2 import engine, kernels, quantize
 from gpt2.kv_cache import KVCache
+from conftest import measure_busy_machines_as_gpt2_does
 
 
 MEASURE_EFFECTIVE_CACHE = kernels.effective_cache_bytes
@@ -838,6 +839,7 @@ def test_other_processes_cpu_time_is_seen_while_kernels_are_measured(scan_at_ent
 
 def test_a_plan_measured_on_a_busy_machine_is_measured_again_when_quiet(kernel_cache, monkeypatch, caplog):
     """Read from /proc/stat: every CPU busy while the plan was measured, then idle the next time."""
+    measure_busy_machines_as_gpt2_does(monkeypatch)
     clock = iter([0.0, 1e6])  # /proc/stat: every CPU busy for a long time while it measured
     monkeypatch.setattr(kernels, "_cpu_busy_seconds", lambda: next(clock))
     with caplog.at_level(logging.WARNING, logger="gpt2.kernels"):
@@ -856,6 +858,7 @@ def test_a_plan_measured_on_a_busy_machine_is_measured_again_when_quiet(kernel_c
 
 def busy_machine(monkeypatch, shares):
     """others_cpu_share reporting each of `shares` in turn as the share other processes took."""
+    measure_busy_machines_as_gpt2_does(monkeypatch)
     shares = iter(shares)
 
     class Reported:
