@@ -582,6 +582,29 @@ def test_a_compiled_bf16_lm_head_gives_its_float32_accumulator():
         assert ((eager.double() - exact).abs().max() / exact.abs().max()).item() > 1e-4, rows  # rounded
 
 
+@pytest.mark.autotune
+@pytest.mark.slow
+def test_a_float32_gemm_feeding_a_bf16_kernel_compiles_to_eagers_tokens():
+    """A bf16 plan that multiplies c_fc in float32 at batch (bfloat16's "fp32 GEMM": an AMD EPYC Zen 3's,
+    AVX2 only) and in bf16 at decode, as the bf16 c_proj after it always does. The cast to bf16 between
+    them, fused into Inductor's own GEMM (torch 2.13), had the GEMM's float32 result stored into the bf16
+    output's buffer: past its end (heap corruption: the process aborted) and over the other thread's
+    columns. engine.compile_options turns epilogue fusion off for the regimes where a layer takes such a
+    path, and only there; package_rows gives such a model a package per row count, so that 1 row takes
+    the decode path. Without the first, this test's process aborted."""
+    model = tiny_model()
+    plan = kernels.plan_for(model, "bfloat16")
+    mixed = {**dict.fromkeys(kernels.REGIMES, "fp32 GEMM"), "decode": "F.linear"}
+    for key in plan.choices:
+        plan.choices[key] = kernels.Choice("plain", mixed if key.startswith(f"{4 * model.config.n_embd}x")
+                                           else dict.fromkeys(kernels.REGIMES, "F.linear"), {})
+    model = apply_plan(model, plan)
+    assert "epilogue_fusion" not in engine.compile_options(model, "cpu", ("decode",))
+    assert engine.compile_options(model, "cpu", ("batch",))["epilogue_fusion"] is False
+    assert engine.package_rows(model, 1) == 1 and engine.package_rows(model, 8) == 8
+    assert generate(model, PROMPTS, max_new_tokens=12, compile=True) == generate(model, PROMPTS, max_new_tokens=12)
+
+
 @pytest.mark.skipif(not format_named("float32", "mkl").available(), reason="needs MKL's packed GEMM")
 def test_mkls_format_holds_each_weight_once_and_gives_it_back_exactly_for_compiling():
     """MKL's packed float32 weight is the only copy a layer keeps (a plain one beside it held a float32

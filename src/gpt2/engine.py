@@ -464,13 +464,23 @@ def compiled_step_rows(model, rows: int, available: int) -> int:
 
 def package_rows(model, rows: int) -> int | None:
     """The rows a package is built for: None for the one with 1 to PACKAGE_ROWS rows, else that many.
-    An int8 or int4 model gets a package for each row count (ROWS_STATIC_PRECISIONS)."""
+    An int8 or int4 model gets a package for each row count (ROWS_STATIC_PRECISIONS), and so does a model
+    with a layer whose plan takes one path at decode and another at batch: the package of 1 to PACKAGE_ROWS
+    rows is exported on 2 (_export_step) and would take the batch path at 1 row too (an AMD EPYC Zen 3's
+    bf16 plan: float32 GEMMs at batch, reading twice the bytes of the bf16 decode path)."""
     static = _rows_static.get(model)
     if static is None:  # a scheduler asks every step: the layers are looked at once
         from gpt2.quantize import FastLinear
-        static = _rows_static[model] = any(layer.format.precision in ROWS_STATIC_PRECISIONS
-                                           for layer in model.modules() if isinstance(layer, FastLinear))
+        static = _rows_static[model] = any(
+            layer.format.precision in ROWS_STATIC_PRECISIONS or layer.path_names["decode"] != layer.path_names["batch"]
+            for layer in model.modules() if isinstance(layer, FastLinear))
     return None if rows <= PACKAGE_ROWS and not static else rows
+
+
+def package_regimes(rows: int | None) -> tuple[str, ...]:
+    """The regimes (quantize.regime_of) at which a package's layers take their paths, for package_rows' rows."""
+    from gpt2.quantize import regime_of
+    return ("decode", "batch") if rows is None else (regime_of(rows),)
 
 
 # An int4 step compiled for a dynamic row count ran slower than one compiled for its rows (GPT-2 124M on an
@@ -495,7 +505,8 @@ def package_path(model, inputs) -> Path:
                  # the paths each layer's graph computes with: a format's paths share its tensors
                  "paths": [layer.path_names for layer in model.modules() if isinstance(layer, FastLinear)],
                  "lm_head": "outside" if lm_head_outside(model) else "inside",
-                 "options": {**compile_options(model, "cpu"), **PACKAGE_OPTIONS}, "layers": len(k),
+                 "options": {**compile_options(model, "cpu", package_regimes(package_rows(model, ids.size(0)))),
+                             **PACKAGE_OPTIONS}, "layers": len(k),
                  "rows": package_rows(model, ids.size(0)),
                  "inputs": [str(t.dtype) for t in (ids, positions, slot, keys)]
                  + [(str(t.dtype), t.size(1), t.size(3)) for t in (k[0], v[0])]}
@@ -539,7 +550,7 @@ def _load_or_build_package(model, inputs):
     partial = path.with_name(f".partial-{os.getpid()}-{path.name}")  # .pt2 at the end, as AOTInductor requires
     try:
         from gpt2.kernels import others_cpu_share, warn_if_busy
-        options = {**compile_options(model, "cpu"), **PACKAGE_OPTIONS}
+        options = {**compile_options(model, "cpu", package_regimes(rows)), **PACKAGE_OPTIONS}
         with others_cpu_share() as cpus:  # its GEMMs are autotuned: timed, as kernels.py times them
             torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=options)
         os.replace(partial, path)  # atomic: a reader sees the whole package or none
@@ -670,8 +681,9 @@ def weights_digest(model) -> str:
 AUTOTUNE_CPU_GEMMS = True
 
 
-def compile_options(model, device_type: str) -> dict:
-    """The Inductor settings model's compiled decode step is built under.
+def compile_options(model, device_type: str, regimes=("decode", "batch")) -> dict:
+    """The Inductor settings model's compiled decode step is built under, for a step whose layers take
+    their paths at these regimes (quantize.regime_of: a package of 1 to PACKAGE_ROWS rows, decode and batch).
 
     freezing: the model's packed weights become constants of the graph, which Inductor's oneDNN
     lowering requires (quantize._onednn). On a CPU, also max_autotune_gemm: Inductor times each GEMM
@@ -689,9 +701,21 @@ def compile_options(model, device_type: str) -> dict:
     instead of its bf16 output: the bf16 lm_head's logits (and any sum fused after a bf16 GEMM) come out
     unrounded, which no eager CPU kernel here gives (bf16 GEMMs return bf16). On the quickstart model, compiled
     bf16 decode went from a KL divergence from float32 of 0.0000245 to 0.0000102 (BENCHMARKS.md).
+
+    epilogue_fusion off where a layer of a bf16, int8 or int4 model multiplies in float32 at these
+    regimes (quantize.FLOAT32_GEMM_PATHS): the next bf16 kernel casts its output to bf16, and Inductor
+    (torch 2.13) fuses that cast into its C++ GEMM template, which then stores the GEMM's float32
+    result (its bias added) into the bf16 output's buffer, twice the bytes: past the buffer's end (on an
+    AMD EPYC Zen 3 with AVX2 only, whose bf16 plan takes "fp32 GEMM" at batch: "corrupted size vs.
+    prev_size", the process aborted) and over the columns of the other thread's block.
     """
+    from gpt2.quantize import FLOAT32_GEMM_PATHS, FastLinear
     rounds = any(getattr(layer, "rounds_to", None) is not None for layer in model.modules())
     options = {"freezing": True, "emulate_precision_casts": rounds}
+    if any(isinstance(layer, FastLinear) and layer.format.precision != "float32"
+           and any(layer.path_names.get(regime) in FLOAT32_GEMM_PATHS for regime in regimes)
+           for layer in model.modules()):
+        options["epilogue_fusion"] = False
     if device_type == "cpu" and AUTOTUNE_CPU_GEMMS:
         options.update(max_autotune_gemm=True, max_autotune_gemm_backends="CPP,ATEN",
                        autotune_num_choices_displayed=0, max_autotune_report_choices_stats=False)
@@ -720,7 +744,8 @@ def checked_compiled_step(model, args) -> torch.Tensor:
     for layer_cache in list(cache.k) + list(cache.v):  # (B, nh, capacity, hs) each
         torch._dynamo.mark_dynamic(layer_cache, 2)
     from gpt2.kernels import others_cpu_share, warn_if_busy
-    options = compile_options(model, keys.device.type)
+    from gpt2.quantize import regime_of
+    options = compile_options(model, keys.device.type, (regime_of(keys.size(0)),))
     options["post_grad_custom_post_pass"] = cache_key_pass(model)  # the cache key names weights and machine
     from torch._dynamo.utils import counters
     misses = counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_bypass"]

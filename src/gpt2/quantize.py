@@ -977,6 +977,11 @@ PREFILL_ROWS = 128  # from here on "prefill". A path that dequantizes the weight
 LONG_ROWS = 256     # and from here on "long" (a long prompt, or a server's prefill chunk)
 
 
+# The paths of a bfloat16, int8 or int4 format that multiply in float32 (the weight read back or dequantized
+# to float32): where one feeds a bf16 kernel, its float32 output is cast to bf16 (engine.compile_options).
+FLOAT32_GEMM_PATHS = frozenset({"fp32 GEMM", "dequant fp32"})
+
+
 def regime_of(rows: int) -> str:
     if rows < SHORT_ROWS:
         return "decode" if rows < BATCH_ROWS else "batch"
