@@ -59,7 +59,13 @@ def assert_same_parameters(a, b, atol):
             c = a.numel() // 3
             torch.testing.assert_close(a[c:2 * c], b[c:2 * c], rtol=0, atol=1e-3)
             a[c:2 * c] = b[c:2 * c] = 0
-        torch.testing.assert_close(a, b, rtol=0, atol=atol, msg=lambda m: f"{k}: {m}")
+        # Elsewhere Adam magnifies rounding noise the same way where a gradient is near zero, rarely: on an
+        # AVX2-only AMD EPYC one weight of c_fc's 4,096 moved 1.18e-5 (other GEMM kernels, another order of
+        # summation), the rest within atol. A sharding or averaging bug moves most elements, not a few:
+        # at most 1 in 1,000 may stray, and by at most 10x atol.
+        stray = (a - b).abs() > atol
+        assert stray.sum() <= a.numel() // 1000, f"{k}: {int(stray.sum())} of {a.numel()} beyond {atol}"
+        torch.testing.assert_close(a, b, rtol=0, atol=10 * atol, msg=lambda m: f"{k}: {m}")
 
 
 def test_ddp_two_ranks_equals_one_process(corpus, single, tmp_path):

@@ -619,8 +619,9 @@ def measure_shapes(precision: str, shapes: list[tuple[int, int, str | None]]) ->
         parts_only = {id(layer): _parts_to_time(combined, running[id(layer)]) if regime == "batch" else {}
                       for layer in layers}
         for fmt in formats:
-            # the format's first path that runs at this regime is always timed (_may_win), so that every
-            # format covers every regime (a one-row path comes first in int8's and runs at decode only)
+            # the format's first path that runs at this regime is always timed (_may_win), and the next
+            # where it failed its check there, so that every format covers every regime (a one-row path
+            # comes first in int8's and runs at decode only)
             first = next((name for name in fmt.paths if runs_at(fmt, name, regime)), None)
             for name, path in fmt.paths.items():
                 if not runs_at(fmt, name, regime):
@@ -637,15 +638,17 @@ def measure_shapes(precision: str, shapes: list[tuple[int, int, str | None]]) ->
                         # the same kernel on the same tensors, checked or timed in the twin format: reuse its result
                         if f"{twin}/{name}" in layer.rejected:
                             layer.rejected[key] = layer.rejected[f"{twin}/{name}"]
-                            layer.timings.get(fmt.name, {}).pop(name, None)
+                            layer.timings.get(fmt.name, {}).get(name, {}).pop(regime, None)
                         else:
                             elapsed = layer.timings[twin][name][regime]
                             layer.timings.setdefault(fmt.name, {}).setdefault(name, {})[regime] = elapsed
                         continue
                     own = {fmt.name: layer.timings.get(fmt.name, {})}  # a path competes with its own format's
                     runs, parts = running[id(layer)], parts_only[id(layer)]
+                    # the first path, or the next where none before it passed its check at this regime
+                    uncovered = name == first or not any(regime in t for t in own[fmt.name].values())
                     if ((runs is None or fmt.name in runs or name in parts.get(fmt.name, ()))
-                            and _may_win(regime, own[fmt.name].get(name, {}), own, always=name == first)):
+                            and _may_win(regime, own[fmt.name].get(name, {}), own, always=uncovered)):
                         due.append(layer)
                     turn.append(layer)
                 if due:
@@ -706,9 +709,9 @@ def _measure_path(fmt, name: str, path, regime: str, layers: list[_Layer], turn_
         c = (layer.whole if cold else layer.narrow)[fmt.name]
         why, checked = _check(path, c.tensors, c.bias, layer.shape[2], c.expected, layer.inputs[regime],
                               name in fmt.dynamic_paths)
-        if why:
-            layer.rejected[key] = why
-            layer.timings.get(fmt.name, {}).pop(name, None)
+        if why:  # not taken from this regime on; where it passed at fewer rows, it may still be taken there
+            layer.rejected[key] = f"{why} (not taken from {regime} on)"
+            layer.timings.get(fmt.name, {}).get(name, {}).pop(regime, None)
         else:
             passed.append(layer)
             seconds.append(checked)
@@ -1015,15 +1018,15 @@ def _choose(timings: dict, rejected: dict) -> Choice:
     paid once (on an Intel Xeon, float32's 8-row oneDNN layout is 1.6x faster at 8 rows but 1.25x slower
     at 1 row than MKL's). Among the formats within DECODE_SLACK of the fastest decode, the one whose
     regimes are, summed, closest to the best of each (time / best time, over the five regimes) is kept."""
+    covering = [f for f in timings if all(any(r in t for t in timings[f].values()) for r in REGIMES)]
+    if not covering:
+        raise RuntimeError(f"no format has a path for every regime: {timings} {rejected}")
     best = {r: min(t[r] for paths in timings.values() for t in paths.values() if r in t) for r in REGIMES}
 
     def score(fmt: str) -> float:
         return sum(timings[fmt][_fastest(timings[fmt], r)][r] / best[r] for r in REGIMES)
 
-    covering = [f for f in timings if all(any(r in t for t in timings[f].values()) for r in REGIMES)]
     fast = _fast_at_decode(timings)
-    if not covering:
-        raise RuntimeError(f"no format has a path for every regime: {timings} {rejected}")
     chosen = min([f for f in covering if f in fast] or covering, key=score)
     return Choice(chosen, {r: _fastest(timings[chosen], r) for r in REGIMES}, timings, rejected)
 
