@@ -1589,8 +1589,9 @@ def test_a_decode_step_with_u8s8_layers_is_packaged(case, monkeypatch):
     assert_greedy_up_to_near_ties(model, PROMPTS[:1], expected, tolerance)
     assert {rows for rows, _ in step.runners} == {1, 3}  # a package for 1 row and one for 3
     assert engine.package_rows(model, 1) == 1 and engine.package_rows(model, 3) == 3
-    bf16 = apply_plan(tiny_model(), kernels.plan_for(tiny_model(), "bfloat16"))
-    assert engine.package_rows(bf16, 1) is None and engine.package_rows(bf16, 3) is None  # one for 1-32 rows
+    # a bf16 model whose layers take one path at every regime: one package for 1-32 rows
+    bf16 = apply_plan(tiny_model(), forced_plan(format_named("bfloat16", "plain"), "F.linear"))
+    assert engine.package_rows(bf16, 1) is None and engine.package_rows(bf16, 3) is None
 
     def no_compiling(*args, **kwargs):
         raise AssertionError("compiled again")
