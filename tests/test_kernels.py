@@ -60,12 +60,13 @@ def fake_clock(monkeypatch, seconds):
 
 
 # fbgemm's u8s8 engine, which some tests force: not offered where it saturates (no VNNI: an AVX2-only CPU)
+# int8's u8s8 engines offered here (each alone, not the combined format): one that saturates is not
+U8S8_ENGINES = [f.name for f in CPU_FORMATS if f.name.startswith("dynamic ") and not f.parts and f.available()]
 FBGEMM_SATURATES = "fbgemm's u8s8 GEMM saturates on this CPU (quantize._u8s8_sums_exactly)"
-FBGEMM_OFFERED = any(f.name == "dynamic fbgemm" and f.available() for f in CPU_FORMATS)
+FBGEMM_OFFERED = "dynamic fbgemm" in U8S8_ENGINES
 needs_fbgemm = pytest.mark.skipif(not FBGEMM_OFFERED, reason=FBGEMM_SATURATES)
 needs_a_u8s8_engine = pytest.mark.skipif(
-    not any(f.name.startswith("dynamic ") and f.available() for f in CPU_FORMATS),
-    reason="no u8s8 engine sums exactly on this CPU (quantize._u8s8_sums_exactly)")
+    not U8S8_ENGINES, reason="no u8s8 engine sums exactly on this CPU (quantize._u8s8_sums_exactly)")
 
 
 def tiny_model(seed=0, n_layer: int = CONFIG.n_layer):
@@ -106,7 +107,7 @@ def test_int8_engines_pack_on_threads_at_once_and_leave_the_process_engine_alone
     and Python's warning filters too (catch_warnings on two threads at once left a filter behind)."""
     import warnings
     from concurrent.futures import ThreadPoolExecutor
-    engines = [f.name for f in CPU_FORMATS if f.name.startswith("dynamic ") and not f.parts and f.available()]
+    engines = U8S8_ENGINES
     if len(engines) < 2:
         pytest.skip("needs both u8s8 engines (one saturates on this CPU: quantize._u8s8_sums_exactly)")
     w = torch.randn(96, 64) * 0.02
@@ -1067,8 +1068,7 @@ def test_each_format_times_a_path_at_every_regime_however_slow_its_others_look(m
     fake_clock(monkeypatch, lambda path, copies, x: (10.0 if path.__name__ == "_int8_dynamic" else
                                                      1000.0 if x.size(0) == 1 else 40.0 * x.size(0)) / 1e6)
     choice = kernels.measure_shape("int8", 96, 64, None)
-    dynamic = [f.name for f in CPU_FORMATS if f.precision == "int8" and f.name.startswith("dynamic ")
-               and not f.parts and f.available()]
+    dynamic = U8S8_ENGINES
     assert dynamic
     for name in dynamic:
         timed = {regime for path in choice.timings_us[name].values() for regime in path}
