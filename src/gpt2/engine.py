@@ -59,6 +59,7 @@ from gpt2.config import GPT2_EOT
 from gpt2.errors import ConfigError, ContextLengthError
 from gpt2.kv_cache import KVCache
 from gpt2.sampling import SamplingConfig, SamplingState, accept_drafts, draw, greedy, make_generators, next_tokens
+from gpt2.atomic import durable_replace
 from gpt2.user_cache import default_cache_dir, drop_least_recently_used, mark_used
 
 log = logging.getLogger(__name__)
@@ -553,7 +554,7 @@ def _load_or_build_package(model, inputs):
         options = {**compile_options(model, "cpu", package_regimes(rows)), **PACKAGE_OPTIONS}
         with others_cpu_share() as cpus:  # its GEMMs are autotuned: timed, as kernels.py times them
             torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=options)
-        os.replace(partial, path)  # atomic: a reader sees the whole package or none
+        durable_replace(partial, path)  # atomic: a reader sees the whole package or none
         warn_if_busy(cpus, COMPILING, "the package keeps what was "
                      f"chosen (`gpt2 cache --clear compiled` builds it again; {path})")
     finally:

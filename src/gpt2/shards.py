@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpt2.atomic import atomic_write_bytes
+from gpt2.atomic import atomic_write_bytes, durable_replace
 from gpt2.errors import DataError
 
 MAGIC = 20240520  # llm.c's magic for GPT-2 uint16 shards
@@ -198,10 +198,8 @@ class ShardWriter:
         f, self._file = self._file, None
         f.seek(0)
         f.write(header.tobytes())
-        f.flush()
-        os.fsync(f.fileno())
         f.close()
         fname = shard_filename(self.name, self.split, len(self.shards))
-        os.replace(self._partial_path(), self.out_dir / fname)
+        durable_replace(self._partial_path(), self.out_dir / fname)
         self.shards.append({"file": fname, "tokens": self.n_open})
         self.n_open = 0
