@@ -1767,7 +1767,9 @@ def test_compiled_decode_of_every_format_equals_eager(monkeypatch):
     On a CPU the compiled step may compute a GEMM with Inductor's own template instead of the eager
     path's kernel (engine.compile_options), with its own order of summation and its own bf16 rounding
     of the output: each step's logits are then within twice the precision's kernel tolerance of the
-    eager ones (each of the two within one of the exact product), and float32 decodes the same tokens."""
+    eager ones (each of the two within one of the exact product), and float32's pick the same token at
+    every step (its greedy decode compiled and eager: a batch of left-padded prompts compiled another
+    graph, ~40 s more here, which test_a_packaged_decode_step... and test_batching's compiled tests do)."""
     monkeypatch.setattr(engine, "PACKAGE_DECODE_STEPS", False)  # torch.compile: packages take longer to build
     ids = torch.tensor([PROMPTS[0] + PROMPTS[2] + [77, 150, 33, 9, 260]])  # (1, 16)
     def parts_kernels(fmt):  # a combined format's paths that are its parts' own: compiled there already
@@ -1781,8 +1783,7 @@ def test_compiled_decode_of_every_format_equals_eager(monkeypatch):
         difference = ((compiled - eager).abs().max() / eager.abs().max()).item()
         assert difference <= tolerance, f"{precision} {placed}: {difference:.1e}"
         if precision == "float32":
-            assert (generate(model, PROMPTS, max_new_tokens=12, compile=True)
-                    == generate(model, PROMPTS, max_new_tokens=12)), placed
+            assert torch.equal(compiled.argmax(-1), eager.argmax(-1)), placed
 
 
 def mixed_model(pairs: list[tuple]) -> tuple[GPT, list[str]]:
