@@ -44,19 +44,18 @@ def _fsync_tree(path: Path) -> None:
         for child in path.iterdir():
             _fsync_tree(child)
         _fsync_folder(path)
-        return
-    fd = os.open(path, os.O_RDONLY)  # fsync flushes the file's pages whatever descriptor wrote them
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    else:
+        _fsync(path)
 
 
 def _fsync_folder(path: Path) -> None:
     """A folder's entries (a rename into it) to the disk. POSIX only: Windows cannot open a folder."""
-    if os.name != "posix":
-        return
-    fd = os.open(path, os.O_RDONLY)
+    if os.name == "posix":
+        _fsync(path)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)  # fsync flushes a file's pages whatever descriptor wrote them
     try:
         os.fsync(fd)
     finally:
