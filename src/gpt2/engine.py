@@ -55,11 +55,11 @@ from types import SimpleNamespace
 
 import torch
 
+from gpt2.atomic import durable_replace
 from gpt2.config import GPT2_EOT
 from gpt2.errors import ConfigError, ContextLengthError
 from gpt2.kv_cache import KVCache
 from gpt2.sampling import SamplingConfig, SamplingState, accept_drafts, draw, greedy, make_generators, next_tokens
-from gpt2.atomic import durable_replace
 from gpt2.user_cache import default_cache_dir, drop_least_recently_used, mark_used
 
 log = logging.getLogger(__name__)
