@@ -59,9 +59,9 @@ def fake_clock(monkeypatch, seconds):
                         [seconds(path, copies, x) for copies, b, activation, x in turn])
 
 
-# fbgemm's u8s8 engine, which some tests force: not offered where it saturates (no VNNI: an AVX2-only CPU)
 # int8's u8s8 engines offered here (each alone, not the combined format): one that saturates is not
 U8S8_ENGINES = [f.name for f in CPU_FORMATS if f.name.startswith("dynamic ") and not f.parts and f.available()]
+# fbgemm's u8s8 engine, which some tests force: not offered where it saturates (no VNNI: an AVX2-only CPU)
 FBGEMM_SATURATES = "fbgemm's u8s8 GEMM saturates on this CPU (quantize._u8s8_sums_exactly)"
 FBGEMM_OFFERED = "dynamic fbgemm" in U8S8_ENGINES
 needs_fbgemm = pytest.mark.skipif(not FBGEMM_OFFERED, reason=FBGEMM_SATURATES)
