@@ -375,10 +375,11 @@ def test_every_path_matches_its_reference(fmt, activation):
             bb = b.to(torch.bfloat16)
             exact = x.double() @ wq.t() + bb.double()
             # bf16 output rounding (2^-8 relative) of a sum of products; the dynamic paths also round x
-            # to 255 levels of each row's max.
+            # to levels over each row's range, at most [-max, max].
             bound = 2 ** -7 * (x.double().abs() @ wq.abs().t() + bb.double().abs())
-            if name in fmt.dynamic_paths:  # per token: half a step of each row's 255 levels
-                bound += x.double().abs().amax(dim=1, keepdim=True) / 254 * wq.abs().sum(1)
+            if name in fmt.activation_levels:  # per token: half a step of each row's levels
+                levels = fmt.activation_levels[name]
+                bound += x.double().abs().amax(dim=1, keepdim=True) / (levels - 1) * wq.abs().sum(1)
             if activation:
                 exact = F.gelu(exact, approximate="tanh")
                 bound = 1.13 * bound + 2 ** -7 * exact.abs()
@@ -409,6 +410,35 @@ def test_int8_per_token_paths_quantize_each_row_by_its_own_range(fmt):
         assert torch.equal(first, second), name
         excess = ((first.double() - exact).abs() - 1.001 * bound).max().item()
         assert excess <= 1e-5, f"{name}: error exceeds half a step of the row's range by {excess}"
+
+
+@pytest.mark.skipif(not quantize._u8s8_sums_exactly("fbgemm", reduce_range=True),
+                    reason="fbgemm's u8s8 GEMM saturates even at 7 bits on this CPU")
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_int8_split_path_quantizes_each_row_to_14_bits(rows):
+    """_int8_split (the "fbgemm 7-bit" format's path, offered where 8 bits saturate; tested wherever 7 bits
+    do not) is within half a step of 2^14 - 1 levels over each row's own range, with an outlier column as
+    GPT-2's activations have, and with the bias and GELU. The bound is tight enough to fail if the low 7
+    bits were lost (x to 7 bits a row)."""
+    torch.manual_seed(0)
+    N, K = 96, 256
+    w, b = torch.randn(N, K) * 0.1, torch.randn(N) * 0.1
+    tensors = {k: getattr(v, "obj", v) for k, v in quantize._pack_int8_engine("fbgemm")(w, b).items()}
+    x = torch.randn(rows, K)
+    x[:, 7] *= 40  # an outlier column: a wide range per row
+    wq = dequantized("int8", w)
+    span = (x.amax(1, keepdim=True) - x.amin(1, keepdim=True)).double()
+    half_step = span / 2 / quantize.SPLIT_LEVELS * wq.abs().sum(1) + 1e-6 * (x.double().abs() @ wq.abs().t())
+    for activation in (None, "gelu_tanh"):
+        exact = x.double() @ wq.t() + b.double()
+        y = quantize._int8_split(x, tensors, b, activation).double()
+        bound = half_step if activation is None else 1.13 * half_step
+        if activation:
+            exact = F.gelu(exact, approximate="tanh")
+        assert ((y - exact).abs() - bound).max() <= 1e-6, activation
+    # the same rows to 7 bits: outside the bound
+    coarse = x.amin(1, keepdim=True) + (x - x.amin(1, keepdim=True)).mul(127 / span.float()).round() * (span.float() / 127)
+    assert ((coarse.double() @ wq.t() + b.double() - (x.double() @ wq.t() + b.double())).abs() - half_step).max() > 0
 
 
 @pytest.mark.parametrize("path, dtype", [("dequant bf16", torch.bfloat16), ("dequant fp32", torch.float32)])
@@ -1158,10 +1188,10 @@ def test_a_path_outside_its_rounding_at_many_rows_is_still_taken_where_it_passed
     from gpt2.quantize import _int8pack
     real = kernels._check
 
-    def check(path, tensors, b, activation, expected, x, dynamic):
+    def check(path, tensors, b, activation, expected, x, levels):
         if path is _int8pack and x.size(0) >= quantize.LONG_ROWS:
             return f"outside its rounding at {x.size(0)} rows (forced here)", 0.0
-        return real(path, tensors, b, activation, expected, x, dynamic)
+        return real(path, tensors, b, activation, expected, x, levels)
     monkeypatch.setattr(kernels, "_check", check)
     fake_clock(monkeypatch, lambda path, copies, x: (10.0 if path is _int8pack else 1000.0) * x.size(0) / 1e6)
     choice = kernels.measure_shape("int8", 96, 64, None)

@@ -708,7 +708,7 @@ def _measure_path(fmt, name: str, path, regime: str, layers: list[_Layer], turn_
     for layer in layers:
         c = (layer.whole if cold else layer.narrow)[fmt.name]
         why, checked = _check(path, c.tensors, c.bias, layer.shape[2], c.expected, layer.inputs[regime],
-                              name in fmt.dynamic_paths)
+                              fmt.activation_levels.get(name))
         if why:  # not taken from this regime on; where it passed at fewer rows, it may still be taken there
             layer.rejected[key] = f"{why} (not taken from {regime} on)"
             layer.timings.get(fmt.name, {}).get(name, {}).pop(regime, None)
@@ -876,19 +876,20 @@ class Expected:
     def same_as(self, other: "Expected") -> bool:
         return torch.equal(self.reference, other.reference) and self.activation == other.activation
 
-    def __call__(self, x: torch.Tensor, dynamic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, levels: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(exact, bound) for x's checked rows and the checked outputs. The bound, per output:
-        tol * (|x| @ |W|^T + |b|), plus for activations quantized per token half a quantization step of
-        that row of x (max|x| / 254) times sum_k |W|."""
-        key = (x.data_ptr(), x.size(0), dynamic)
+        tol * (|x| @ |W|^T + |b|), plus for activations quantized per token to `levels` levels half a
+        quantization step of that row of x (at most [-max|x|, max|x|] over levels - 1 steps: max|x| / 254
+        for u8) times sum_k |W|."""
+        key = (x.data_ptr(), x.size(0), levels)
         if key not in self.memo:
             xd = x[self.rows(x)].double()
             exact = xd @ self.reference.t() + self.bias
             # A sum of positive terms: float32 holds it to 1e-7 relative, far inside any tolerance, and
             # its GEMM is ~10x float64's.
             bound = self.tolerance * (xd.abs().float() @ self.reference_abs.t() + self.bias.abs().float()).double()
-            if dynamic:  # half a step of each row's x (255 levels over at most [-max, max]), times sum |W|
-                bound = bound + xd.abs().amax(dim=1, keepdim=True) / 254 * self.reference_abs_sums
+            if levels:  # half a step of each row's x, times sum |W|
+                bound = bound + xd.abs().amax(dim=1, keepdim=True) / (levels - 1) * self.reference_abs_sums
             if self.activation is not None:
                 exact = torch.nn.functional.gelu(exact, approximate="tanh")  # GELU's slope is within [-0.17, 1.13]
                 bound = 1.13 * bound + self.tolerance * exact.abs()
@@ -897,7 +898,7 @@ class Expected:
 
 
 def _check(path, tensors, b, activation, expected: Expected, x: torch.Tensor,
-           dynamic: bool) -> tuple[str | None, float]:
+           levels: int | None) -> tuple[str | None, float]:
     """(None, seconds the call took) if the path computes act(x W^T + b) within its precision's rounding
     for these rows (Expected: the float64 reference and the bound); else (why, seconds)."""
     start = time.perf_counter()
@@ -906,7 +907,7 @@ def _check(path, tensors, b, activation, expected: Expected, x: torch.Tensor,
     except (RuntimeError, NotImplementedError) as e:
         return f"fails at {x.size(0)} rows: {str(e).splitlines()[0][:120]}", 0.0
     elapsed = time.perf_counter() - start
-    exact, bound = expected(x, dynamic)
+    exact, bound = expected(x, levels)
     if y.shape != (x.size(0), expected.out_features):
         return f"wrong shape {tuple(y.shape)} at {x.size(0)} rows", elapsed
     checked = y[Expected.rows(x)][:, expected.columns].double()

@@ -25,7 +25,9 @@ functions (x (M, K), tensors) -> y (M, N). Every path of a format computes with 
               is first mapped onto [0, 1] by its own min and max, "u8s8 per row"); or both engines'
               packings of one q and s in one layer, each regime taking the faster engine (kernels.py
               keeps it only where it gains enough for its second packed copy); a compiled step computes
-              the same integers from q and s through PT2E's quantize/dequantize ops (_u8s8_from_tensors)
+              the same integers from q and s through PT2E's quantize/dequantize ops (_u8s8_from_tensors);
+              where u8s8 saturates at 8 bits (AVX2 without VNNI): fbgemm's GEMM at 7 bits, x quantized per
+              row to 14 bits in two 7-bit halves, rows of one call ("u8s8 14-bit per row", _int8_split)
   int4      per group of 32 along K, w = (q - 8) * s + z (asymmetric, PyTorch's tinygemm convention; s and
             z searched per group for the least |w|-weighted squared error, the result cached on disk):
               _weight_int4pack_mm_for_cpu (bf16 activations) on CPU, or for long prefills its packed
@@ -361,19 +363,22 @@ def _int8_dequant(dtype):
     return path
 
 
-_int8_dequant_bf16 = _int8_dequant(torch.bfloat16)  # one function for every int8 format: kernels.py sees the same path
+# one function each for every int8 format: kernels.py sees the same path
+_int8_dequant_bf16, _int8_dequant_fp32 = _int8_dequant(torch.bfloat16), _int8_dequant(torch.float32)
 
 
-def _linear_dynamic(x: torch.Tensor, t: dict, packed: str = "packed", unit_range: bool = False) -> torch.Tensor:
+def _linear_dynamic(x: torch.Tensor, t: dict, packed: str = "packed", unit_range: bool = False,
+                    reduce_range: bool = False) -> torch.Tensor:
     """fbgemm's / oneDNN's u8s8 GEMM: x (M, K) float32 quantized with one scale, (M, N) float32 out.
     packed: the tensors' key of the engine's packed weight (a two-engine format keeps two). unit_range: x
     spans [0, 1] (_int8_dynamic_rows maps every row there), which the engine quantizes with scale 1/255 and
-    zero point 0."""
+    zero point 0. reduce_range: x is quantized to 0..127 instead of 0..255 (_int8_split)."""
     if torch.compiler.is_compiling():
         if unit_range and u8s8_compiles_from_tensors():
             return _u8s8_from_tensors(x, t)
-        return linear_dynamic_op(x, t[f"{packed}_handle"], t["q"].size(0))  # Dynamo cannot trace the packed object
-    return torch.ops.quantized.linear_dynamic(x, t[packed], False)
+        # Dynamo cannot trace the packed object
+        return linear_dynamic_op(x, t[f"{packed}_handle"], t["q"].size(0), reduce_range)
+    return torch.ops.quantized.linear_dynamic(x, t[packed], reduce_range)
 
 
 def _u8s8_from_tensors(x: torch.Tensor, t: dict) -> torch.Tensor:
@@ -408,13 +413,13 @@ def _u8s8_from_tensors_probed() -> bool:
 
 
 @torch.library.custom_op("gpt2::linear_dynamic", mutates_args=())
-def linear_dynamic_op(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+def linear_dynamic_op(x: torch.Tensor, handle: int, out_features: int, reduce_range: bool = False) -> torch.Tensor:
     """_linear_dynamic as one op of a compiled graph, the packed weight named by its handle (_Packed)."""
-    return torch.ops.quantized.linear_dynamic(x, _PACKED[handle].obj, False)
+    return torch.ops.quantized.linear_dynamic(x, _PACKED[handle].obj, reduce_range)
 
 
 @linear_dynamic_op.register_fake
-def _(x, handle, out_features):
+def _(x, handle, out_features, reduce_range=False):
     return x.new_empty(x.size(0), out_features)
 
 
@@ -449,6 +454,34 @@ def _unit_range_u8s8(x, low, span, t, packed):
     [0, 1], which the engine quantizes with scale 1/255 and zero point 0; y = span (x' W^T) + low rowsum(W)."""
     y = _linear_dynamic((x - low).div_(span), t, packed, unit_range=True)  # (M, N) float32: x' W^T
     return y.mul_(span).addcmul_(low, t["row_sums"])  # (M, 1) x (N,): faster here than addr_'s outer product
+
+
+# _int8_split: each row of x to 2^14 levels, as two halves of 7 bits each (0..127)
+SPLIT_HALF_LEVELS = 128
+SPLIT_LEVELS = SPLIT_HALF_LEVELS ** 2 - 1
+
+
+def _int8_split(x, t, bias, activation):
+    """A u8s8 GEMM where the engine saturates at 8 bits, with x quantized per row to 14 bits. Without VNNI a
+    u8s8 kernel adds pairs of u8 x s8 products in int16 (AVX2's vpmaddubsw), which 0..255 overflows but
+    0..127 does not (2 x 127 x 127 < 32,767: the engine's reduce_range). Each row is mapped onto its own
+    [min, max] in SPLIT_LEVELS steps, and the step counts, high * 128 + low, go to the engine as two rows of
+    integers 0..127 (quantized exactly: the call's range is 0..127, so its scale is 1): one GEMM of 2M rows
+    reads the weight once. y = low_x rowsum(W) + step (128 (high W^T) + (low W^T)). Measured on an AVX2-only
+    AMD EPYC (BENCHMARKS.md): the lm_head at 1 row in 1.4 ms against int8pack_mm's 2.9, at 8 rows 4.4 against
+    10.0; x's error 10x below int8pack_mm's bf16 rounding of it (2^-14 of a row's range against 2^-9 of each
+    value)."""
+    x = x.float()
+    rows = x.size(0)
+    low, high = torch.aminmax(x, dim=1, keepdim=True)  # (M, 1) each
+    step = (high - low).clamp_(min=1e-12).div_(SPLIT_LEVELS)  # (M, 1)
+    steps = (x - low).div_(step).round_()  # (M, K): integers 0..SPLIT_LEVELS
+    halves = x.new_empty(2 * rows, x.size(1))  # (2M, K): the high halves, then the low ones
+    torch.div(steps, SPLIT_HALF_LEVELS, rounding_mode="floor", out=halves[:rows])
+    torch.sub(steps, halves[:rows], alpha=SPLIT_HALF_LEVELS, out=halves[rows:])
+    y = _linear_dynamic(halves, t, reduce_range=True)  # (2M, N) float32
+    y = torch.add(y[rows:], y[:rows], alpha=SPLIT_HALF_LEVELS).mul_(step).addcmul_(low, t["row_sums"])
+    return _act(y if bias is None else y.add_(bias), activation)
 
 
 def _engine_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -657,7 +690,8 @@ class WeightFormat:
     # back (engine.quantized_copy); a format that cannot do without it raises ValueError.
     reference_weight: Callable[[torch.Tensor | None, dict, "torch.Tensor | None"], torch.Tensor]
     paths: dict[str, Path]
-    dynamic_paths: tuple[str, ...] = ()   # paths that quantize x per token: a wider tolerance
+    # paths that quantize x per token: the levels each row's range gets (a wider tolerance, kernels.Expected)
+    activation_levels: dict[str, int] = field(default_factory=dict)
     one_row_paths: tuple[str, ...] = ()   # paths that quantize a whole call with one scale: decode only
     # Paths that dequantize the whole weight on every call: measured for prefill and long only (at 1 or
     # 8 rows they cannot beat a kernel that reads the packed weight once; timing them costs seconds).
@@ -770,25 +804,33 @@ def _repack_int8_engine(engine: str):
     return lambda t: prepack({k: v.clone() for k, v in t.items() if k != "packed"})
 
 
-def _engine_available(engine: str) -> Callable[[], bool]:
-    return lambda: (engine in torch.backends.quantized.supported_engines and _has("quantized", "linear_dynamic")()
-                    and _u8s8_sums_exactly(engine))
+def _engine_available(engine: str, bits: int = 8) -> Callable[[], bool]:
+    """Whether the engine's u8s8 paths run here: at 8 bits (x to 0..255), or at 7 only (_int8_split's
+    format, offered where 8 bits saturate and 7 do not)."""
+    def available():
+        if not (engine in torch.backends.quantized.supported_engines and _has("quantized", "linear_dynamic")()):
+            return False
+        return _u8s8_sums_exactly(engine) if bits == 8 else (not _u8s8_sums_exactly(engine)
+                                                              and _u8s8_sums_exactly(engine, reduce_range=True))
+    return available
 
 
 @functools.cache
-def _u8s8_sums_exactly(engine: str) -> bool:
-    """Whether the engine's u8s8 GEMM adds its products without saturating on this CPU (probed once).
+def _u8s8_sums_exactly(engine: str, reduce_range: bool = False) -> bool:
+    """Whether the engine's u8s8 GEMM adds its products without saturating on this CPU (probed once), with x
+    quantized to 0..255 (or to 0..127: reduce_range).
 
     Without VNNI, a u8s8 kernel may add pairs of u8 x s8 products in int16 (AVX2's vpmaddubsw): 2 x 255
     x 127 saturates at 32,767. oneDNN limited to AVX2 does (ONEDNN_MAX_CPU_ISA=AVX2 on an AVX-512 Xeon:
-    32.0 came out as 16.2, and random weights were 10x further off). The kernel check in kernels.py,
-    on random weights, would not always see it; GPT-2's activations have large outliers. So such an
-    engine is not offered at all: x of ones (u8 255) against weights of +-127 must give +-32 exactly."""
+    32.0 came out as 16.2, and random weights were 10x further off), and so do fbgemm and oneDNN on an
+    AVX2-only AMD EPYC. The kernel check in kernels.py, on random weights, would not always see it;
+    GPT-2's activations have large outliers. So such an engine is not offered at 8 bits: x of ones (u8
+    255, or 127) against weights of +-127 must give +-32 exactly."""
     w = torch.full((16, 64), 0.5)
     w[1::2] = -0.5
     try:
         packed = _pack_int8_engine(engine)(w, None)["packed"].obj
-        y = torch.ops.quantized.linear_dynamic(torch.ones(1, 64), packed, False)
+        y = torch.ops.quantized.linear_dynamic(torch.ones(1, 64), packed, reduce_range)
     except RuntimeError:
         return False
     return bool(((y - torch.ones(1, 64) @ w.t()).abs() < 1e-3).all())
@@ -880,19 +922,27 @@ CPU_FORMATS: list[WeightFormat] = [
                  many_row_paths=("fp32 GEMM",), available=lambda: onednn_runs(torch.bfloat16)),
     WeightFormat("weight-only", "int8", _pack_int8, _int8_reference,
                  {"int8pack_mm": _int8pack, "dequant bf16": _int8_dequant_bf16,
-                  "dequant fp32": _int8_dequant(torch.float32)}, many_row_paths=("dequant bf16", "dequant fp32"),
+                  "dequant fp32": _int8_dequant_fp32}, many_row_paths=("dequant bf16", "dequant fp32"),
                  available=_has("aten", "_weight_int8pack_mm")),
+    # Where fbgemm's u8s8 GEMM saturates at 8 bits but not at 7 (AVX2 without VNNI): x to 14 bits per row in
+    # two 7-bit halves (_int8_split), beside the weight-only paths on the same q and s.
+    WeightFormat("fbgemm 7-bit", "int8", _pack_int8_engine("fbgemm"), _int8_reference,
+                 {"u8s8 14-bit per row": _int8_split, "int8pack_mm": _int8pack, "dequant bf16": _int8_dequant_bf16,
+                  "dequant fp32": _int8_dequant_fp32},
+                 activation_levels={"u8s8 14-bit per row": SPLIT_LEVELS}, many_row_paths=("dequant bf16", "dequant fp32"),
+                 available=_engine_available("fbgemm", bits=7), same_weights_as="weight-only",
+                 repack=_repack_int8_engine("fbgemm")),
     WeightFormat("dynamic fbgemm", "int8", _pack_int8_engine("fbgemm"), _int8_reference,
                  {"u8s8 dynamic": _int8_dynamic, "u8s8 per row": _int8_dynamic_rows, "int8pack_mm": _int8pack,
                   "dequant bf16": _int8_dequant_bf16},
-                 dynamic_paths=("u8s8 dynamic", "u8s8 per row"), one_row_paths=("u8s8 dynamic",),
+                 activation_levels={"u8s8 dynamic": 255, "u8s8 per row": 255}, one_row_paths=("u8s8 dynamic",),
                  many_row_paths=("dequant bf16",),
                  available=_engine_available("fbgemm"), same_weights_as="weight-only",
                  repack=_repack_int8_engine("fbgemm")),
     WeightFormat("dynamic onednn", "int8", _pack_int8_engine("onednn"), _int8_reference,
                  {"u8s8 dynamic": _int8_dynamic, "u8s8 per row": _int8_dynamic_rows, "int8pack_mm": _int8pack,
                   "dequant bf16": _int8_dequant_bf16},
-                 dynamic_paths=("u8s8 dynamic", "u8s8 per row"), one_row_paths=("u8s8 dynamic",),
+                 activation_levels={"u8s8 dynamic": 255, "u8s8 per row": 255}, one_row_paths=("u8s8 dynamic",),
                  many_row_paths=("dequant bf16",),
                  available=_engine_available("onednn"), same_weights_as="weight-only",
                  repack=_repack_int8_engine("onednn")),
@@ -903,7 +953,8 @@ CPU_FORMATS: list[WeightFormat] = [
                  {"u8s8 dynamic": _int8_dynamic, "u8s8 per row": _int8_dynamic_rows,
                   "onednn u8s8 dynamic": _int8_dynamic_onednn, "onednn u8s8 per row": _int8_dynamic_rows_onednn,
                   "int8pack_mm": _int8pack, "dequant bf16": _int8_dequant_bf16},
-                 dynamic_paths=("u8s8 dynamic", "u8s8 per row", "onednn u8s8 dynamic", "onednn u8s8 per row"),
+                 activation_levels={"u8s8 dynamic": 255, "u8s8 per row": 255, "onednn u8s8 dynamic": 255,
+                                    "onednn u8s8 per row": 255},
                  one_row_paths=("u8s8 dynamic", "onednn u8s8 dynamic"), many_row_paths=("dequant bf16",),
                  available=lambda: _engine_available("fbgemm")() and _engine_available("onednn")(),
                  parts={"dynamic fbgemm": {"u8s8 dynamic": "u8s8 dynamic", "u8s8 per row": "u8s8 per row",
