@@ -1785,6 +1785,21 @@ def test_u8s8_engines_through_their_custom_op_and_plain_models_compile_through_t
     assert engine.PackagedDecodeStep.applies(bf16)
 
 
+@pytest.mark.skipif(not format_object("int8", "fbgemm 7-bit").available(),
+                    reason="fbgemm 7-bit is offered where u8s8 saturates at 8 bits only (quantize._engine_available)")
+def test_the_7_bit_format_compiles_from_tensors_and_packages(monkeypatch):
+    """The "fbgemm 7-bit" layers hold fbgemm's packed object, but their compiled path is int8pack_mm on q and
+    its scales (quantize._int8_split), so an int8 model of them packages, its lm_head inside, and its
+    compiled path gives int8pack_mm's outputs."""
+    monkeypatch.setattr(quantize, "u8s8_compiles_from_tensors", lambda: False)
+    model = apply_plan(tiny_model(), forced_plan(format_object("int8", "fbgemm 7-bit"), "u8s8 14-bit per row"))
+    assert engine.PackagedDecodeStep.applies(model) and not engine.lm_head_outside(model)
+    head = model.lm_head
+    x = torch.randn(3, head.in_features)
+    compiled = torch.compile(lambda x: quantize._int8_split(x, head.kernel_args, None, None), fullgraph=True)
+    assert torch.equal(compiled(x).float(), quantize._int8pack(x, head.kernel_args, None, None).float())
+
+
 @pytest.mark.autotune
 @pytest.mark.slow
 def test_compiled_decode_of_every_format_equals_eager(monkeypatch):

@@ -374,10 +374,12 @@ class _StepModule(torch.nn.Module):
 def _holds_engine_objects(layer) -> bool:
     """A FastLinear whose compiled paths call a u8s8 engine's packed object (a TorchScript object, which a
     graph names by a handle that holds in this process only): such a layer cannot be packaged. Where the
-    u8s8 paths compile from q and its scales (quantize.u8s8_compiles_from_tensors), none does."""
+    u8s8 paths compile from q and its scales (quantize.u8s8_compiles_from_tensors), none does, nor does a
+    format whose compiled paths never call its engine (WeightFormat.compiles_without_engine)."""
     from gpt2.quantize import _Packed, u8s8_compiles_from_tensors
-    return not u8s8_compiles_from_tensors() and any(isinstance(t, _Packed) and isinstance(t.obj, torch.ScriptObject)
-                                                   for t in layer.tensors.values())
+    if layer.format.compiles_without_engine or u8s8_compiles_from_tensors():
+        return False
+    return any(isinstance(t, _Packed) and isinstance(t.obj, torch.ScriptObject) for t in layer.tensors.values())
 
 
 def lm_head_outside(model) -> bool:

@@ -470,7 +470,10 @@ def _int8_split(x, t, bias, activation):
     reads the weight once. y = low_x rowsum(W) + step (128 (high W^T) + (low W^T)). Measured on an AVX2-only
     AMD EPYC (BENCHMARKS.md): the lm_head at 1 row in 1.4 ms against int8pack_mm's 2.9, at 8 rows 4.4 against
     10.0; x's error 10x below int8pack_mm's bf16 rounding of it (2^-14 of a row's range against 2^-9 of each
-    value)."""
+    value). A compiled step computes int8pack_mm instead, from the same q and scales: Inductor's own code
+    for it decoded at 137 and 110 tok/s there (two rounds), this path through its custom op at 109 and 104."""
+    if torch.compiler.is_compiling():
+        return _int8pack(x, t, bias, activation)
     x = x.float()
     rows = x.size(0)
     low, high = torch.aminmax(x, dim=1, keepdim=True)  # (M, 1) each
@@ -708,6 +711,9 @@ class WeightFormat:
     # the same tensors). It is not measured itself: kernels.py reads its timings off its parts' and
     # keeps it only where it gains enough to pay for its memory.
     parts: dict[str, dict[str, str]] = field(default_factory=dict)
+    # Its compiled paths read tensors only, never an engine's packed object it holds (which no package can
+    # hold: engine._holds_engine_objects)
+    compiles_without_engine: bool = False
     # tensors -> the plain (N, K) weight its compiled path reads, for a format that does not keep it (MKL's:
     # Inductor lowers _mkl_linear only for weights it packed itself; oneDNN's: torch.export cannot trace its
     # opaque packed tensor); add_compile_weights, before compiling
@@ -931,7 +937,7 @@ CPU_FORMATS: list[WeightFormat] = [
                   "dequant fp32": _int8_dequant_fp32},
                  activation_levels={"u8s8 14-bit per row": SPLIT_LEVELS}, many_row_paths=("dequant bf16", "dequant fp32"),
                  available=_engine_available("fbgemm", bits=7), same_weights_as="weight-only",
-                 repack=_repack_int8_engine("fbgemm")),
+                 repack=_repack_int8_engine("fbgemm"), compiles_without_engine=True),
     WeightFormat("dynamic fbgemm", "int8", _pack_int8_engine("fbgemm"), _int8_reference,
                  {"u8s8 dynamic": _int8_dynamic, "u8s8 per row": _int8_dynamic_rows, "int8pack_mm": _int8pack,
                   "dequant bf16": _int8_dequant_bf16},
