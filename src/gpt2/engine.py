@@ -376,10 +376,20 @@ def _holds_engine_objects(layer) -> bool:
     graph names by a handle that holds in this process only): such a layer cannot be packaged. Where the
     u8s8 paths compile from q and its scales (quantize.u8s8_compiles_from_tensors), none does, nor does a
     format whose compiled paths never call its engine (WeightFormat.compiles_without_engine)."""
-    from gpt2.quantize import _Packed, u8s8_compiles_from_tensors
+    from gpt2.quantize import u8s8_compiles_from_tensors
     if layer.format.compiles_without_engine or u8s8_compiles_from_tensors():
         return False
+    return _holds_an_engine_object(layer)
+
+
+def _holds_an_engine_object(layer) -> bool:
+    from gpt2.quantize import _Packed
     return any(isinstance(t, _Packed) and isinstance(t.obj, torch.ScriptObject) for t in layer.tensors.values())
+
+
+def _packed_layers(model) -> list:
+    from gpt2.quantize import FastLinear, linear_layers
+    return [layer for _, _, layer, _ in linear_layers(model) if isinstance(layer, FastLinear)]
 
 
 def lm_head_outside(model) -> bool:
@@ -544,6 +554,11 @@ def _load_or_build_package(model, inputs):
         raise MemoryError(f"building it needs ~{needed / 1e9:.1f} GB, {available / 1e9:.1f} GB available")
     start, started = time.perf_counter(), time.time()
     add_compile_weights(model)  # the plain weights export reads, for Inductor to pack; let go once it has
+    if any(layer.format.compile_weight is not None and "weight" not in layer.tensors for layer in _packed_layers(model)):
+        # left out for memory: their compiled paths would call their kernels (fbgemm's fp16 through a handle
+        # that names its object in this process only)
+        drop_compile_weights(model)
+        raise MemoryError("the plain weights a package reads do not fit in memory")
     rows = package_rows(model, inputs[0].size(0))
     log.info("compiling the decode step for %s rows into %s (once per model and machine)",
              f"1 to {PACKAGE_ROWS}" if rows is None else rows, path)
@@ -658,6 +673,9 @@ def weights_digest(model) -> str:
         tensors = dict(model.named_parameters(remove_duplicate=False))
         tensors.update(model.named_buffers(remove_duplicate=False))
         layers = {name: layer for name, layer in model.named_modules() if isinstance(layer, FastLinear)}
+        # A weight held only in an engine's object (fbgemm's fp16) is hashed as read back for compiling
+        tensors.update({f"{name}.read_back": layer.format.compile_weight(layer.kernel_args) for name, layer in layers.items()
+                        if layer.format.compile_weight is not None and _holds_an_engine_object(layer)})
         # by name: a float32 lm_head's plain copy is wte's own table, which is hashed as wte
         plain_copies = {f"{name}.weight" for name, layer in layers.items()
                         if layer.format.compile_weight is not None and "weight" in layer.tensors}
