@@ -320,7 +320,7 @@ CPU_LIMITS = {  # environment -> what the probes must find: the ISA libraries se
     "ATEN_CPU_CAPABILITY=default": "int4pack_layout() == (32, 'pairs')",
     "ONEDNN_MAX_CPU_ISA=AVX2": ("not onednn_runs(torch.bfloat16) and onednn_runs(torch.float32) "
                                 "and not _u8s8_sums_exactly('onednn') "
-                                "and {f.name for f in formats_for('bfloat16', 'cpu')} == {'plain'} "
+                                "and 'onednn' not in {f.name for f in formats_for('bfloat16', 'cpu')} "
                                 "and 'dynamic onednn' not in {f.name for f in formats_for('int8', 'cpu')}"),
 }
 
@@ -410,6 +410,29 @@ def test_int8_per_token_paths_quantize_each_row_by_its_own_range(fmt):
         assert torch.equal(first, second), name
         excess = ((first.double() - exact).abs() - 1.001 * bound).max().item()
         assert excess <= 1e-5, f"{name}: error exceeds half a step of the row's range by {excess}"
+
+
+@pytest.mark.skipif(not format_object("bfloat16", "fbgemm fp16").available(), reason="no fbgemm fp16 GEMM here")
+def test_fp16_format_holds_the_bf16_weights_and_refuses_what_float16_cannot():
+    """fbgemm's fp16 format: bf16 weights of magnitude 2^-14 to 65,504 are held exactly (read back from the
+    packing, as engine.quantized_copy reads a layer), the tiniest round to float16's subnormal grid, and a
+    weight float16 cannot hold is refused with an error naming the format, not packed as inf."""
+    from gpt2.errors import ConfigError
+    fmt = format_object("bfloat16", "fbgemm fp16")
+    torch.manual_seed(0)
+    w = torch.randn(32, 64) * 0.05
+    w[0, :8] = torch.tensor([2.0 ** -14, -(2.0 ** -14), 1000.0, 3e-6, 1e-9, 0.0, 65280.0, -1.5])  # 65,280: bf16's largest below 65,504
+    tensors = {k: getattr(v, "obj", v) for k, v in fmt.pack(w, None).items()}
+    read_back, bf16 = fmt.reference_weight(None, tensors), w.to(torch.bfloat16).double()
+    assert torch.equal(read_back, fmt.reference_weight(w, tensors))
+    normal = bf16.abs() >= 2.0 ** -14
+    assert torch.equal(read_back[normal], bf16[normal]) and (read_back - bf16).abs().max() <= 2.0 ** -25
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(fmt.paths["fbgemm fp16"](x, tensors, None, None).double(), x.double() @ read_back.t(),
+                               rtol=1e-5, atol=1e-4)
+    w[1, 1] = 70000.0
+    with pytest.raises(ConfigError, match="float16's range"):
+        fmt.pack(w, None)
 
 
 @pytest.mark.skipif(not quantize._u8s8_sums_exactly("fbgemm", reduce_range=True),
@@ -670,10 +693,10 @@ def test_mkls_format_holds_each_weight_once_and_gives_it_back_exactly_for_compil
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision, fmt", [("float32", "mkl"), ("bfloat16", "onednn")])
+@pytest.mark.parametrize("precision, fmt", [("float32", "mkl"), ("bfloat16", "onednn"), ("bfloat16", "fbgemm fp16")])
 def test_where_memory_is_short_packed_layers_compile_as_their_own_gemm(precision, fmt, monkeypatch, caplog):
-    """Where Inductor's own weights would not fit (add_compile_weights), MKL's and oneDNN's layers get no
-    plain weight back and compile as their library's GEMM (no package either: engine.PackagedDecodeStep
+    """Where Inductor's own weights would not fit (add_compile_weights), MKL's, oneDNN's and fbgemm's layers
+    get no plain weight back and compile as their library's GEMM (no package either: engine.PackagedDecodeStep
     checks its larger need first): the compiled step equals eager and decodes the same tokens."""
     if not any(f.name == fmt for f in formats_for(precision)):
         pytest.skip(f"no {precision} {fmt} format on this machine")
@@ -682,7 +705,7 @@ def test_where_memory_is_short_packed_layers_compile_as_their_own_gemm(precision
     ids = torch.tensor([PROMPTS[0] + PROMPTS[2]])  # (1, 11)
     with caplog.at_level(logging.WARNING, logger="gpt2"):
         compiled, eager = compiled_and_eager_logits(model, ids, prompt_length=4)
-    assert any("compile as MKL's GEMM" in r.getMessage() for r in caplog.records)
+    assert any("compile as their own library's GEMM" in r.getMessage() for r in caplog.records)
     assert any("could not package" in r.getMessage() for r in caplog.records)
     assert all("weight" not in layer.tensors for _, _, layer, _ in linear_layers(model))
     # bf16: Inductor fuses the ops around the GEMM and rounds the outputs elsewhere: each within one tolerance
@@ -1698,21 +1721,23 @@ def test_a_decode_step_compiled_on_a_busy_machine_says_so(monkeypatch, tmp_path,
         assert len(warnings) == compiles and all("Inductor's cache keeps what was chosen" in w for w in warnings)
 
 
-@pytest.mark.parametrize("fmt", ["mkl", "onednn"])
-def test_the_weights_digest_names_packed_weights_and_not_their_plain_copies(fmt):
+@pytest.mark.parametrize("precision, fmt, path", [("float32", "mkl", "mkl"), ("float32", "onednn", "onednn"),
+                                                   ("bfloat16", "fbgemm fp16", "fbgemm fp16")])
+def test_the_weights_digest_names_packed_weights_and_not_their_plain_copies(precision, fmt, path):
     """engine.weights_digest keys packages and cached graphs. The plain copies a compiled step reads
     (add_compile_weights) come and go, so they leave it unchanged; MKL's packed bytes differ between
-    two packs of one weight, so its weights are hashed as its GEMM reads them back, and a model with
-    other weights gets another digest."""
-    if not any(f.name == fmt for f in formats_for("float32")):
-        pytest.skip(f"no {fmt} format on this machine")
+    two packs of one weight, so its weights are hashed as its GEMM reads them back, as are fbgemm's fp16
+    weights, held in no tensor; a model with one other weight (its biases the same) gets another digest."""
+    if not any(f.name == fmt for f in formats_for(precision)):
+        pytest.skip(f"no {precision} {fmt} format on this machine")
 
-    def packed(seed: int):
-        plan = kernels.plan_for(tiny_model(), "float32")
-        plan.choices = {k: kernels.Choice(fmt, {r: fmt if fmt == "mkl" else "onednn" for r in kernels.REGIMES}, {})
-                        for k in plan.choices}
-        return apply_plan(tiny_model(seed=seed), plan)
-    model, again, other = packed(0), packed(0), packed(2)
+    def packed(nudged: bool = False):
+        model = tiny_model()
+        if nudged:
+            with torch.no_grad():
+                model.transformer.h[0].mlp.c_fc.weight[0, 0] += 0.5
+        return apply_plan(model, forced_plan(format_named(precision, fmt), path))
+    model, again, other = packed(), packed(), packed(nudged=True)
     digest = engine.weights_digest(model)
     add_compile_weights(again)
     assert engine.weights_digest(again) == digest != engine.weights_digest(other)

@@ -17,7 +17,8 @@ functions (x (M, K), tensors) -> y (M, N). Every path of a format computes with 
 
   float32   plain (F.linear), onednn (weight reordered for oneDNN), mkl (weight packed for MKL)
   bfloat16  plain (F.linear), onednn; either multiplied in float32 for many rows, where bf16 GEMMs are
-            slow (no AVX512_BF16: the weight made float32 per call, from its packed copy for onednn)
+            slow (no AVX512_BF16: the weight made float32 per call, from its packed copy for onednn);
+            fbgemm fp16 (the bf16 weights held as float16, exactly but for the tiniest, for fbgemm's GEMM)
   int8      per output channel, w = q * s (symmetric):
               weight-only: _weight_int8pack_mm (bf16 activations), or dequantize + bf16/fp32 GEMM;
               dynamic: fbgemm's / oneDNN's u8s8 GEMM (VNNI) with the activations quantized per token,
@@ -468,9 +469,9 @@ def _int8_split(x, t, bias, activation):
     [min, max] in SPLIT_LEVELS steps, and the step counts, high * 128 + low, go to the engine as two rows of
     integers 0..127 (quantized exactly: the call's range is 0..127, so its scale is 1): one GEMM of 2M rows
     reads the weight once. y = low_x rowsum(W) + step (128 (high W^T) + (low W^T)). Measured on an AVX2-only
-    AMD EPYC (BENCHMARKS.md): the lm_head at 1 row in 1.4 ms against int8pack_mm's 2.9, at 8 rows 4.4 against
-    10.0; x's error 10x below int8pack_mm's bf16 rounding of it (2^-14 of a row's range against 2^-9 of each
-    value). A compiled step computes int8pack_mm instead, from the same q and scales: Inductor's own code
+    AMD EPYC (`gpt2 info --kernels`; BENCHMARKS.md): the lm_head at 1 row in 2.0 ms against int8pack_mm's 3.9,
+    at 8 rows 4.3 against 9.7; x's error 10x below int8pack_mm's bf16 rounding of it (2^-14 of a row's range
+    against 2^-9 of each value). A compiled step computes int8pack_mm instead, from the same q and scales: Inductor's own code
     for it decoded at 137 and 110 tok/s there (two rounds), this path through its custom op at 109 and 104."""
     if torch.compiler.is_compiling():
         return _int8pack(x, t, bias, activation)
@@ -711,6 +712,9 @@ class WeightFormat:
     # the same tensors). It is not measured itself: kernels.py reads its timings off its parts' and
     # keeps it only where it gains enough to pay for its memory.
     parts: dict[str, dict[str, str]] = field(default_factory=dict)
+    # Its paths take and return float32 (fbgemm's fp16 GEMM, at bf16): x is not rounded to bf16 for it, and an
+    # lm_head's logits are not centered (CENTERED_LOGITS), there being no bf16 rounding of them to avoid
+    returns_float32: bool = False
     # Its compiled paths read tensors only, never an engine's packed object it holds (which no package can
     # hold: engine._holds_engine_objects)
     compiles_without_engine: bool = False
@@ -771,8 +775,8 @@ def _mkl_reference(w, t, rows=None):
 def _pack_fp16(w, bias):
     """bf16's weights as float16 for fbgemm's GEMM, which converts them to float32 as it reads (F16C, on any
     AVX2 CPU) and multiplies float32 activations. float16 holds every bf16 value of magnitude 2^-14 to
-    65,504 exactly (8 significant bits within its 11); smaller ones round to its subnormal grid (steps of
-    2^-24), and larger ones would overflow, which no GPT-2 weight does, and is refused."""
+    65,280 exactly (8 significant bits within its 11); smaller ones round to its subnormal grid (steps of
+    2^-24), and larger ones overflow (float16's largest is 65,504), which no GPT-2 weight does: refused."""
     w16 = w.to(torch.bfloat16).to(torch.float16)
     if not torch.isfinite(w16).all():
         raise ConfigError("a bf16 weight beyond float16's range (65,504): fbgemm's fp16 format cannot hold it")
@@ -974,11 +978,11 @@ CPU_FORMATS: list[WeightFormat] = [
                  lambda w, b: {"onednn": torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), 1)},
                  _onednn_reference, {"onednn": _onednn, "fp32 GEMM": _onednn_upcast}, compile_weight=_onednn_weight,
                  many_row_paths=("fp32 GEMM",), available=lambda: onednn_runs(torch.bfloat16)),
-    # bf16 weights held as float16 for fbgemm's GEMM (_pack_fp16): on an AVX2-only AMD EPYC, where bf16's own
-    # kernels convert each weight with shifts, 2304x768 at 1 row took 145 against F.linear's 228 us, the
-    # lm_head 2.1 against 8.2 ms, at 8 rows 228 against 1,429 us.
+    # bf16 weights held as float16 for fbgemm's GEMM (_pack_fp16). On an AVX2-only AMD EPYC (`gpt2 info
+    # --kernels`), where no oneDNN bf16 linear runs and F.linear's bf16 GEMM is slow: the lm_head at 1 row in
+    # 2.6 against F.linear's 4.9 ms, at 8 rows 5.9 against 34.2; 768x3072 at 8 rows 0.38 against 1.88 ms.
     WeightFormat("fbgemm fp16", "bfloat16", _pack_fp16, _fp16_reference, {"fbgemm fp16": _fp16},
-                 compile_weight=_fp16_weight, compiles_without_engine=True,
+                 compile_weight=_fp16_weight, compiles_without_engine=True, returns_float32=True,
                  available=lambda: "fbgemm" in torch.backends.quantized.supported_engines
                  and _has("quantized", "linear_dynamic_fp16")()),
     WeightFormat("weight-only", "int8", _pack_int8, _int8_reference,
@@ -1112,7 +1116,7 @@ def regime_of(rows: int) -> str:
 # KL divergence from float32 went from 0.0023 to 0.00004, and 0.00005 to 0.00003 without (BENCHMARKS.md).
 # A compiled step whose GEMM is Inductor's reads the float32 accumulator instead (engine.compile_options):
 # no rounding left, 0.00003 -> 0.000009.
-CENTERED_LOGITS = {"bfloat16"}
+CENTERED_LOGITS = {"bfloat16"}  # except in a format whose paths return float32 (WeightFormat.returns_float32)
 OFFSET_SPREADS = 4.0
 OFFSET_DIRECTIONS = 8
 OFFSET_SAMPLE_ROWS = 4096  # rows the mean and directions are estimated from: an estimate needs no more
@@ -1342,7 +1346,8 @@ def add_compile_weights(model: nn.Module) -> None:
     needed, available = COMPILE_BYTES_PER_WEIGHT_BYTE * compiled_weight_bytes(model), available_memory_bytes()
     if needed > available:
         log.warning("compiling with Inductor's own weights needs ~%.1f GB, %.1f GB available: %d layers "
-                    "compile as MKL's GEMM or oneDNN's instead", needed / 1e9, available / 1e9, len(layers))
+                    "compile as their own library's GEMM instead (MKL's, oneDNN's, fbgemm's)", needed / 1e9,
+                    available / 1e9, len(layers))
         return
     table = model.transformer.wte.weight
     for attr, layer in layers:
@@ -1422,10 +1427,10 @@ def planned_linear(plan, attr: str, weight: torch.Tensor, bias: torch.Tensor | N
     """The FastLinear the plan gives a layer (attr: its name in linear_layers) holding this weight (N, K)."""
     precision = layer_precision(plan.precision, attr)
     choice = plan.choice_for(weight.size(0), weight.size(1), activation, precision)
-    return FastLinear(format_named(precision, choice.format, device_type), weight, bias, choice.paths, activation,
-                      returns_kernel_dtype=returns_kernel_dtype,
+    fmt = format_named(precision, choice.format, device_type)
+    return FastLinear(fmt, weight, bias, choice.paths, activation, returns_kernel_dtype=returns_kernel_dtype,
                       rounds_to=ROUNDS_KEYS_TO.get(precision) if attr == "c_attn" else None,
-                      centers_logits=attr == "lm_head" and precision in CENTERED_LOGITS)
+                      centers_logits=attr == "lm_head" and precision in CENTERED_LOGITS and not fmt.returns_float32)
 
 
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # load_for_inference's kv_dtype, or "auto"
