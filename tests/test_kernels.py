@@ -421,7 +421,8 @@ def test_fp16_format_holds_the_bf16_weights_and_refuses_what_float16_cannot():
     fmt = format_object("bfloat16", "fbgemm fp16")
     torch.manual_seed(0)
     w = torch.randn(32, 64) * 0.05
-    w[0, :8] = torch.tensor([2.0 ** -14, -(2.0 ** -14), 1000.0, 3e-6, 1e-9, 0.0, 65280.0, -1.5])  # 65,280: bf16's largest below 65,504
+    # 65,280: bf16's largest value below float16's 65,504
+    w[0, :8] = torch.tensor([2.0 ** -14, -(2.0 ** -14), 1000.0, 3e-6, 1e-9, 0.0, 65280.0, -1.5])
     tensors = {k: getattr(v, "obj", v) for k, v in fmt.pack(w, None).items()}
     read_back, bf16 = fmt.reference_weight(None, tensors), w.to(torch.bfloat16).double()
     assert torch.equal(read_back, fmt.reference_weight(w, tensors))
@@ -460,7 +461,8 @@ def test_int8_split_path_quantizes_each_row_to_14_bits(rows):
             exact = F.gelu(exact, approximate="tanh")
         assert ((y - exact).abs() - bound).max() <= 1e-6, activation
     # the same rows to 7 bits: outside the bound
-    coarse = x.amin(1, keepdim=True) + (x - x.amin(1, keepdim=True)).mul(127 / span.float()).round() * (span.float() / 127)
+    low = x.amin(1, keepdim=True)
+    coarse = low + (x - low).mul(127 / span.float()).round() * (span.float() / 127)
     assert ((coarse.double() @ wq.t() + b.double() - (x.double() @ wq.t() + b.double())).abs() - half_step).max() > 0
 
 

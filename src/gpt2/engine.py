@@ -554,7 +554,8 @@ def _load_or_build_package(model, inputs):
         raise MemoryError(f"building it needs ~{needed / 1e9:.1f} GB, {available / 1e9:.1f} GB available")
     start, started = time.perf_counter(), time.time()
     add_compile_weights(model)  # the plain weights export reads, for Inductor to pack; let go once it has
-    if any(layer.format.compile_weight is not None and "weight" not in layer.tensors for layer in _packed_layers(model)):
+    if any(layer.format.compile_weight is not None and "weight" not in layer.tensors
+           for layer in _packed_layers(model)):
         # left out for memory: their compiled paths would call their kernels (fbgemm's fp16 through a handle
         # that names its object in this process only)
         drop_compile_weights(model)
@@ -674,7 +675,8 @@ def weights_digest(model) -> str:
         tensors.update(model.named_buffers(remove_duplicate=False))
         layers = {name: layer for name, layer in model.named_modules() if isinstance(layer, FastLinear)}
         # A weight held only in an engine's object (fbgemm's fp16) is hashed as read back for compiling
-        tensors.update({f"{name}.read_back": layer.format.compile_weight(layer.kernel_args) for name, layer in layers.items()
+        tensors.update({f"{name}.read_back": layer.format.compile_weight(layer.kernel_args)
+                        for name, layer in layers.items()
                         if layer.format.compile_weight is not None and _holds_an_engine_object(layer)})
         # by name: a float32 lm_head's plain copy is wte's own table, which is hashed as wte
         plain_copies = {f"{name}.weight" for name, layer in layers.items()

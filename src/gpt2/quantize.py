@@ -471,8 +471,9 @@ def _int8_split(x, t, bias, activation):
     reads the weight once. y = low_x rowsum(W) + step (128 (high W^T) + (low W^T)). Measured on an AVX2-only
     AMD EPYC (`gpt2 info --kernels`; BENCHMARKS.md): the lm_head at 1 row in 2.0 ms against int8pack_mm's 3.9,
     at 8 rows 4.3 against 9.7; x's error 10x below int8pack_mm's bf16 rounding of it (2^-14 of a row's range
-    against 2^-9 of each value). A compiled step computes int8pack_mm instead, from the same q and scales: Inductor's own code
-    for it decoded at 137 and 110 tok/s there (two rounds), this path through its custom op at 109 and 104."""
+    against 2^-9 of each value). A compiled step computes int8pack_mm instead, from the same q and scales:
+    Inductor's own code for it decoded at 137 and 110 tok/s there (two rounds), this path through its custom
+    op at 109 and 104."""
     if torch.compiler.is_compiling():
         return _int8pack(x, t, bias, activation)
     x = x.float()
@@ -712,9 +713,10 @@ class WeightFormat:
     # the same tensors). It is not measured itself: kernels.py reads its timings off its parts' and
     # keeps it only where it gains enough to pay for its memory.
     parts: dict[str, dict[str, str]] = field(default_factory=dict)
-    # Its paths take and return float32 (fbgemm's fp16 GEMM, at bf16): x is not rounded to bf16 for it, and an
-    # lm_head's logits are not centered (CENTERED_LOGITS), there being no bf16 rounding of them to avoid
-    returns_float32: bool = False
+    # Its eager paths take float32 x at a bf16 precision (fbgemm's fp16 GEMM): a centered lm_head's input
+    # (CENTERED_LOGITS) is not rounded to bf16 for it. (Its compiled path is Inductor's bf16 GEMM, whose
+    # logits are rounded where no template returns its accumulator: so it is centered all the same.)
+    takes_float32: bool = False
     # Its compiled paths read tensors only, never an engine's packed object it holds (which no package can
     # hold: engine._holds_engine_objects)
     compiles_without_engine: bool = False
@@ -982,7 +984,7 @@ CPU_FORMATS: list[WeightFormat] = [
     # --kernels`), where no oneDNN bf16 linear runs and F.linear's bf16 GEMM is slow: the lm_head at 1 row in
     # 2.6 against F.linear's 4.9 ms, at 8 rows 5.9 against 34.2; 768x3072 at 8 rows 0.38 against 1.88 ms.
     WeightFormat("fbgemm fp16", "bfloat16", _pack_fp16, _fp16_reference, {"fbgemm fp16": _fp16},
-                 compile_weight=_fp16_weight, compiles_without_engine=True, returns_float32=True,
+                 compile_weight=_fp16_weight, compiles_without_engine=True, takes_float32=True,
                  available=lambda: "fbgemm" in torch.backends.quantized.supported_engines
                  and _has("quantized", "linear_dynamic_fp16")()),
     WeightFormat("weight-only", "int8", _pack_int8, _int8_reference,
@@ -994,7 +996,8 @@ CPU_FORMATS: list[WeightFormat] = [
     WeightFormat("fbgemm 7-bit", "int8", _pack_int8_engine("fbgemm"), _int8_reference,
                  {"u8s8 14-bit per row": _int8_split, "int8pack_mm": _int8pack, "dequant bf16": _int8_dequant_bf16,
                   "dequant fp32": _int8_dequant_fp32},
-                 activation_levels={"u8s8 14-bit per row": SPLIT_LEVELS}, many_row_paths=("dequant bf16", "dequant fp32"),
+                 activation_levels={"u8s8 14-bit per row": SPLIT_LEVELS},
+                 many_row_paths=("dequant bf16", "dequant fp32"),
                  available=_engine_available("fbgemm", bits=7), same_weights_as="weight-only",
                  repack=_repack_int8_engine("fbgemm"), compiles_without_engine=True),
     WeightFormat("dynamic fbgemm", "int8", _pack_int8_engine("fbgemm"), _int8_reference,
@@ -1116,7 +1119,7 @@ def regime_of(rows: int) -> str:
 # KL divergence from float32 went from 0.0023 to 0.00004, and 0.00005 to 0.00003 without (BENCHMARKS.md).
 # A compiled step whose GEMM is Inductor's reads the float32 accumulator instead (engine.compile_options):
 # no rounding left, 0.00003 -> 0.000009.
-CENTERED_LOGITS = {"bfloat16"}  # except in a format whose paths return float32 (WeightFormat.returns_float32)
+CENTERED_LOGITS = {"bfloat16"}
 OFFSET_SPREADS = 4.0
 OFFSET_DIRECTIONS = 8
 OFFSET_SAMPLE_ROWS = 4096  # rows the mean and directions are estimated from: an estimate needs no more
@@ -1166,6 +1169,7 @@ class FastLinear(nn.Module):
         self.path_names = dict(paths)  # regime -> path name, for describe()
         self.paths = {regime: fmt.paths[name] for regime, name in paths.items()}
         self.dtype = kernel_dtype(fmt.precision)
+        self.input_dtype = torch.float32 if fmt.takes_float32 else self.dtype  # a centered lm_head's x
         # centers_logits (CENTERED_LOGITS): the weight gains a column of ones, x a column of -offset
         if centers_logits and activation is not None:
             raise ValueError("a layer that centers its outputs cannot fuse an activation")
@@ -1227,7 +1231,7 @@ class FastLinear(nn.Module):
     def _centered(self, x: torch.Tensor) -> torch.Tensor:
         """Float32 (M, N) logits x W^T + b, each row computed around its offset (CENTERED_LOGITS)."""
         offset = logit_offset(x.float(), self.offset_basis, self.offset_weights)  # (M,), an estimate
-        centered = x.new_zeros(x.size(0), self.in_features + OFFSET_COLUMNS, dtype=self.dtype)  # (M, K + 32)
+        centered = x.new_zeros(x.size(0), self.in_features + OFFSET_COLUMNS, dtype=self.input_dtype)  # (M, K + 32)
         centered[:, : self.in_features] = x
         centered[:, self.in_features] = offset.neg()
         y = self.paths[regime_of(x.size(0))](centered, self.kernel_args, self.bias, None)
@@ -1430,7 +1434,7 @@ def planned_linear(plan, attr: str, weight: torch.Tensor, bias: torch.Tensor | N
     fmt = format_named(precision, choice.format, device_type)
     return FastLinear(fmt, weight, bias, choice.paths, activation, returns_kernel_dtype=returns_kernel_dtype,
                       rounds_to=ROUNDS_KEYS_TO.get(precision) if attr == "c_attn" else None,
-                      centers_logits=attr == "lm_head" and precision in CENTERED_LOGITS and not fmt.returns_float32)
+                      centers_logits=attr == "lm_head" and precision in CENTERED_LOGITS)
 
 
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # load_for_inference's kv_dtype, or "auto"
