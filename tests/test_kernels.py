@@ -1059,6 +1059,26 @@ def test_a_combined_format_takes_every_regime_from_the_part_kept_alone():
                             "prefill": "dequant bf16", "long": "dequant bf16"}
 
 
+@pytest.mark.skipif(not format_object("bfloat16", "plain+fbgemm fp16").available(), reason="no fbgemm fp16 GEMM here")
+def test_bf16_keeps_both_weights_where_f_linear_wins_one_row_and_fbgemm_eight(monkeypatch):
+    """bf16's combined format: where F.linear is the faster at 1 row and fbgemm's fp16 GEMM at 8 (an AVX2 CPU,
+    BENCHMARKS.md), the layer holds both and each regime takes the faster; a real pack of it computes every
+    path within bf16's rounding of the plain weight, and its compiled path needs no engine (it packages)."""
+    fake_clock(monkeypatch, lambda path, copies, x: {"_plain": 10.0 if x.size(0) == 1 else 100.0,
+                                                     "_fp16": 11.0 if x.size(0) == 1 else 20.0}.get(path.__name__,
+                                                                                              1000.0) * 1e-6)
+    choice = kernels.measure_shape("bfloat16", 96, 64, None)
+    assert choice.format == "plain+fbgemm fp16", choice
+    assert choice.paths["decode"] == "F.linear" and choice.paths["batch"] == "fbgemm fp16"
+    model = apply_plan(tiny_model(), forced_plan(format_object("bfloat16", "plain+fbgemm fp16"), "fbgemm fp16"))
+    assert engine.PackagedDecodeStep.applies(model)
+    head, x = model.lm_head, torch.randn(5, model.config.n_embd)
+    with torch.inference_mode():
+        logits = head(x).double()
+    exact = x.double() @ head.reference_weight().t()
+    assert ((logits - exact).abs().max() / exact.abs().max()).item() <= kernels.TOLERANCE["bfloat16"]
+
+
 def test_the_second_engine_is_timed_at_batch_on_the_paths_a_combined_format_takes(monkeypatch):
     """oneDNN's int8 format, 1.3x slower at 1 row, would stop after decode; as a part of the two-engine
     format its per-row path is also timed at 8 rows (and nothing else of it), so the lm_head's faster

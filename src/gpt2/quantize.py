@@ -786,6 +786,14 @@ def _pack_fp16(w, bias):
     return {"packed": _Packed(packed), "out_features": _Packed(w.size(0))}
 
 
+def _fp16_available() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines and _has("quantized", "linear_dynamic_fp16")()
+
+
+def _pack_bf16(w, bias):
+    return {"weight": w.to(torch.bfloat16)}
+
+
 def _fp16_weight(t) -> torch.Tensor:
     """The (N, K) weight fbgemm's fp16 packing holds, read back (exact), as bf16: the compiled path's and the
     reference's. Each float16 value came from a bf16 one, so bf16 holds it again."""
@@ -972,7 +980,7 @@ CPU_FORMATS: list[WeightFormat] = [
                                "shape": _Packed(_shape_only(*w.shape))},
                  _mkl_reference, {"mkl": _mkl}, compile_weight=_mkl_weight, unset_padding=("mkl",),
                  available=lambda: _has("mkl", "_mkl_linear")() and torch.backends.mkl.is_available()),
-    WeightFormat("plain", "bfloat16", lambda w, b: {"weight": w.to(torch.bfloat16)},
+    WeightFormat("plain", "bfloat16", _pack_bf16,
                  lambda w, t, rows=None: _rows(t["weight"], rows).double(), {"F.linear": _plain, "fp32 GEMM": _upcast}),
     # Only the packed copy is kept (a plain one beside it would hold the weights twice); for many rows it
     # is read back as float32 per call where bf16 GEMMs are slow (_onednn_upcast).
@@ -985,8 +993,16 @@ CPU_FORMATS: list[WeightFormat] = [
     # 2.6 against F.linear's 4.9 ms, at 8 rows 5.9 against 34.2; 768x3072 at 8 rows 0.38 against 1.88 ms.
     WeightFormat("fbgemm fp16", "bfloat16", _pack_fp16, _fp16_reference, {"fbgemm fp16": _fp16},
                  compile_weight=_fp16_weight, compiles_without_engine=True, takes_float32=True,
-                 available=lambda: "fbgemm" in torch.backends.quantized.supported_engines
-                 and _has("quantized", "linear_dynamic_fp16")()),
+                 available=_fp16_available),
+    # Both: F.linear's bf16 weight and fbgemm's, for a layer where F.linear is the faster at 1 row and
+    # fbgemm at 8 (kernels.py keeps it only where that gains COMBINED_GAIN). The lm_head's centered input
+    # is bf16, as F.linear takes it; fbgemm multiplies those values exactly.
+    WeightFormat("plain+fbgemm fp16", "bfloat16", lambda w, b: {**_pack_bf16(w, b), **_pack_fp16(w, b)},
+                 lambda w, t, rows=None: _rows(t["weight"], rows).double(),
+                 {"F.linear": _plain, "fp32 GEMM": _upcast, "fbgemm fp16": _fp16}, compiles_without_engine=True,
+                 available=_fp16_available,
+                 parts={"plain": {"F.linear": "F.linear", "fp32 GEMM": "fp32 GEMM"},
+                        "fbgemm fp16": {"fbgemm fp16": "fbgemm fp16"}}),
     WeightFormat("weight-only", "int8", _pack_int8, _int8_reference,
                  {"int8pack_mm": _int8pack, "dequant bf16": _int8_dequant_bf16,
                   "dequant fp32": _int8_dequant_fp32}, many_row_paths=("dequant bf16", "dequant fp32"),
