@@ -368,18 +368,16 @@ def _int8_dequant(dtype):
 _int8_dequant_bf16, _int8_dequant_fp32 = _int8_dequant(torch.bfloat16), _int8_dequant(torch.float32)
 
 
-def _linear_dynamic(x: torch.Tensor, t: dict, packed: str = "packed", unit_range: bool = False,
-                    reduce_range: bool = False) -> torch.Tensor:
+def _linear_dynamic(x: torch.Tensor, t: dict, packed: str = "packed", unit_range: bool = False) -> torch.Tensor:
     """fbgemm's / oneDNN's u8s8 GEMM: x (M, K) float32 quantized with one scale, (M, N) float32 out.
     packed: the tensors' key of the engine's packed weight (a two-engine format keeps two). unit_range: x
     spans [0, 1] (_int8_dynamic_rows maps every row there), which the engine quantizes with scale 1/255 and
-    zero point 0. reduce_range: x is quantized to 0..127 instead of 0..255 (_int8_split)."""
+    zero point 0."""
     if torch.compiler.is_compiling():
         if unit_range and u8s8_compiles_from_tensors():
             return _u8s8_from_tensors(x, t)
-        # Dynamo cannot trace the packed object
-        return linear_dynamic_op(x, t[f"{packed}_handle"], t["q"].size(0), reduce_range)
-    return torch.ops.quantized.linear_dynamic(x, t[packed], reduce_range)
+        return linear_dynamic_op(x, t[f"{packed}_handle"], t["q"].size(0))  # Dynamo cannot trace the packed object
+    return torch.ops.quantized.linear_dynamic(x, t[packed], False)
 
 
 def _u8s8_from_tensors(x: torch.Tensor, t: dict) -> torch.Tensor:
@@ -414,13 +412,13 @@ def _u8s8_from_tensors_probed() -> bool:
 
 
 @torch.library.custom_op("gpt2::linear_dynamic", mutates_args=())
-def linear_dynamic_op(x: torch.Tensor, handle: int, out_features: int, reduce_range: bool = False) -> torch.Tensor:
+def linear_dynamic_op(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
     """_linear_dynamic as one op of a compiled graph, the packed weight named by its handle (_Packed)."""
-    return torch.ops.quantized.linear_dynamic(x, _PACKED[handle].obj, reduce_range)
+    return torch.ops.quantized.linear_dynamic(x, _PACKED[handle].obj, False)
 
 
 @linear_dynamic_op.register_fake
-def _(x, handle, out_features, reduce_range=False):
+def _(x, handle, out_features):
     return x.new_empty(x.size(0), out_features)
 
 
@@ -484,7 +482,7 @@ def _int8_split(x, t, bias, activation):
     halves = x.new_empty(2 * rows, x.size(1))  # (2M, K): the high halves, then the low ones
     torch.div(steps, SPLIT_HALF_LEVELS, rounding_mode="floor", out=halves[:rows])
     torch.sub(steps, halves[:rows], alpha=SPLIT_HALF_LEVELS, out=halves[rows:])
-    y = _linear_dynamic(halves, t, reduce_range=True)  # (2M, N) float32
+    y = torch.ops.quantized.linear_dynamic(halves, t["packed"], True)  # (2M, N) float32: x to 0..127, exactly
     y = torch.add(y[rows:], y[:rows], alpha=SPLIT_HALF_LEVELS).mul_(step).addcmul_(low, t["row_sums"])
     return _act(y if bias is None else y.add_(bias), activation)
 
