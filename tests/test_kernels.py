@@ -695,9 +695,9 @@ def test_mkls_format_holds_each_weight_once_and_gives_it_back_exactly_for_compil
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision, fmt", [("float32", "mkl"), ("bfloat16", "onednn"), ("bfloat16", "fbgemm fp16")])
+@pytest.mark.parametrize("precision, fmt", [("float32", "mkl"), ("bfloat16", "onednn")])
 def test_where_memory_is_short_packed_layers_compile_as_their_own_gemm(precision, fmt, monkeypatch, caplog):
-    """Where Inductor's own weights would not fit (add_compile_weights), MKL's, oneDNN's and fbgemm's layers
+    """Where Inductor's own weights would not fit (add_compile_weights), MKL's and oneDNN's layers
     get no plain weight back and compile as their library's GEMM (no package either: engine.PackagedDecodeStep
     checks its larger need first): the compiled step equals eager and decodes the same tokens."""
     if not any(f.name == fmt for f in formats_for(precision)):
@@ -1484,7 +1484,7 @@ def test_info_kernels_prints_the_plan(capsys):
 @needs_fbgemm
 def test_a_deep_copy_of_a_packed_model_decodes_without_the_original(monkeypatch):
     """copy.deepcopy of an int8 model whose u8s8 engine weights are TorchScript objects: the copy's
-    handles (what a compiled graph's custom op looks them up by) name its own, so it decodes alone.
+    keys (what a compiled graph's custom op looks them up by) name its own, so it decodes alone.
     The compiled step calls the engines through that op (where oneDNN sums exactly it would compute
     from q and its scales instead, and look nothing up: quantize.u8s8_compiles_from_tensors)."""
     import copy
@@ -1496,7 +1496,7 @@ def test_a_deep_copy_of_a_packed_model_decodes_without_the_original(monkeypatch)
     model = apply_plan(tiny_model(), plan)
     expected = generate(model, PROMPTS, max_new_tokens=6)
     twin = copy.deepcopy(model)
-    assert twin.lm_head.kernel_args["packed_handle"] != model.lm_head.kernel_args["packed_handle"]
+    assert twin.lm_head.kernel_args["packed_key"] != model.lm_head.kernel_args["packed_key"]
     del model
     gc.collect()
     assert generate(twin, PROMPTS, max_new_tokens=6) == expected
@@ -1564,9 +1564,8 @@ def test_compiled_decode_of_a_second_model_or_machine_uses_its_own_graph(tmp_pat
     ids = torch.tensor([PROMPTS[0] + PROMPTS[2]])  # (1, 11)
     this_machine = kernels.machine_key()
     # The lm_head (int8 in an int4 model) pinned to weight-only int8: a graph names a u8s8 engine's packed
-    # weight by its handle, a number counted per process (quantize._Packed), so model 1's second copy (new
-    # handles) would never hit its first one's entry; whether the measurement picks a u8s8 path for the
-    # decode regime depends on the timing (under load it did, and no entry was hit).
+    # weight by a key (quantize._Packed), which holds the weights' digest (engine.name_engine_objects);
+    # pinned, the graph is the same whichever path the measurement picks for the decode regime.
     plan = int4_lm_head_on("weight-only", "int8pack_mm")
     hits = []
     for seed, machine in [(1, this_machine), (2, this_machine), (1, this_machine), (1, {"cpu": "another CPU"})]:
@@ -1821,8 +1820,8 @@ def test_a_package_that_would_not_fit_is_not_built_at_any_precision(precision, m
 @needs_fbgemm
 def test_u8s8_engines_through_their_custom_op_and_plain_models_compile_through_torch_compile(monkeypatch):
     """Where the u8s8 paths compile through the engine (quantize.u8s8_compiles_from_tensors false), its packed
-    weights are TorchScript objects a graph names by a per-process handle; a plain GPT's weights are not
-    packed for inference: neither is packaged."""
+    weights are TorchScript objects its custom op calls (engine._holds_engine_objects); a plain GPT's weights
+    are not packed for inference: neither is packaged."""
     monkeypatch.setattr(quantize, "u8s8_compiles_from_tensors", lambda: False)
     plan = forced_plan(format_object("int8", "dynamic fbgemm"), "u8s8 dynamic")
     assert not engine.PackagedDecodeStep.applies(apply_plan(tiny_model(), plan))
@@ -1845,6 +1844,41 @@ def test_the_7_bit_format_compiles_from_tensors_and_packages(monkeypatch):
     x = torch.randn(3, head.in_features)
     compiled = torch.compile(lambda x: quantize._int8_split(x, head.kernel_args, None, None), fullgraph=True)
     assert torch.equal(compiled(x).float(), quantize._int8pack(x, head.kernel_args, None, None).float())
+
+
+@pytest.mark.slow
+def test_a_step_of_fbgemm_fp16_layers_packages_and_a_later_model_finds_their_objects(monkeypatch):
+    """fbgemm's fp16 layers compile to fbgemm's GEMM through its op, which names each packed weight by a key
+    (quantize._Packed); engine.name_engine_objects keys them by the weights' digest and the layer's name, as
+    any process does. The step packages with no plain weight kept, its logits are eager's within bf16's
+    tolerance, and a later model of the same weights, whose own objects are the only ones of those names
+    (the first model's renamed away, as in another process), loads the package without compiling and
+    decodes the same tokens."""
+    from conftest import assert_greedy_up_to_near_ties
+    if not any(f.name == "fbgemm fp16" for f in formats_for("bfloat16")):
+        pytest.skip("no fbgemm fp16 format on this machine")
+    plan = forced_plan(format_named("bfloat16", "fbgemm fp16"), "fbgemm fp16")
+    model = apply_plan(tiny_model(), plan)
+    ids = torch.tensor([PROMPTS[0] + PROMPTS[2]])  # (1, 11)
+    compiled, eager = compiled_and_eager_logits(model, ids, prompt_length=4)
+    assert isinstance(engine._compiled_decode_steps[model], engine.PackagedDecodeStep)
+    tolerance = 2 * kernels.TOLERANCE["bfloat16"]
+    assert ((compiled - eager).abs().max() / eager.abs().max()).item() <= tolerance
+    layers = [layer for _, _, layer, _ in linear_layers(model)]
+    assert all(layer.format.name == "fbgemm fp16" and "weight" not in layer.tensors for layer in layers)
+    expected = generate(model, PROMPTS, max_new_tokens=12, compile=True)
+    assert_greedy_up_to_near_ties(model, PROMPTS, expected, tolerance)
+    keys = {layer.kernel_args["packed_key"] for layer in layers}
+    assert all(key.startswith(engine.weights_digest(model)) for key in keys)
+    for layer in layers:
+        layer.name_engine_objects("renamed away")
+
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("compiled again")
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiling)
+    again = apply_plan(tiny_model(), plan)
+    assert generate(again, PROMPTS, max_new_tokens=12, compile=True) == expected
+    assert {layer.kernel_args["packed_key"] for _, _, layer, _ in linear_layers(again)} == keys
 
 
 @pytest.mark.autotune

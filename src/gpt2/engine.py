@@ -313,11 +313,23 @@ def compiled_decode_step(model):
     """
     step = _compiled_decode_steps.get(model)
     if step is None:
+        name_engine_objects(model)
         if PACKAGE_DECODE_STEPS and PackagedDecodeStep.applies(model):
             step = _compiled_decode_steps[model] = PackagedDecodeStep(model)  # builds with add_compile_weights
         else:
             step = _compiled_decode_steps[model] = _torch_compiled_step(model)
     return step
+
+
+def name_engine_objects(model) -> None:
+    """Keys the engine objects of model's layers (quantize._Packed) by the model's weights digest and each
+    layer's name: the names any process gives the same weights. A compiled graph holds the keys, so a
+    package built in one process finds the objects again in another, and Inductor's cache hits."""
+    from gpt2.quantize import FastLinear
+    digest = weights_digest(model)
+    for name, layer in model.named_modules():
+        if isinstance(layer, FastLinear):
+            layer.name_engine_objects(f"{digest} {name}")
 
 
 def _torch_compiled_step(model):
@@ -372,12 +384,13 @@ class _StepModule(torch.nn.Module):
 
 
 def _holds_engine_objects(layer) -> bool:
-    """A FastLinear whose compiled paths call a u8s8 engine's packed object (a TorchScript object, which a
-    graph names by a handle that holds in this process only): such a layer cannot be packaged. Where the
-    u8s8 paths compile from q and its scales (quantize.u8s8_compiles_from_tensors), none does, nor does a
-    format whose compiled paths never call its engine (WeightFormat.compiles_without_engine)."""
+    """A FastLinear whose compiled paths call a u8s8 engine's packed object through its custom op: such a
+    layer is not packaged (its op by key in a package is not tested; fbgemm fp16's is), it goes through
+    torch.compile, or, an lm_head, runs after the package (lm_head_outside). Where the u8s8 paths compile
+    from q and its scales (quantize.u8s8_compiles_from_tensors), none does, nor does a format whose compiled
+    paths never call its engine or call it by a key (WeightFormat.packages)."""
     from gpt2.quantize import u8s8_compiles_from_tensors
-    if layer.format.compiles_without_engine or u8s8_compiles_from_tensors():
+    if layer.format.packages or u8s8_compiles_from_tensors():
         return False
     return _holds_an_engine_object(layer)
 
@@ -556,8 +569,8 @@ def _load_or_build_package(model, inputs):
     add_compile_weights(model)  # the plain weights export reads, for Inductor to pack; let go once it has
     if any(layer.format.compile_weight is not None and "weight" not in layer.tensors
            for layer in _packed_layers(model)):
-        # left out for memory: their compiled paths would call their kernels (fbgemm's fp16 through a handle
-        # that names its object in this process only)
+        # left out for memory: their compiled paths would call their kernels on packed tensors (MKL's,
+        # oneDNN's), which no package holds
         drop_compile_weights(model)
         raise MemoryError("the plain weights a package reads do not fit in memory")
     rows = package_rows(model, inputs[0].size(0))
@@ -674,10 +687,9 @@ def weights_digest(model) -> str:
         tensors = dict(model.named_parameters(remove_duplicate=False))
         tensors.update(model.named_buffers(remove_duplicate=False))
         layers = {name: layer for name, layer in model.named_modules() if isinstance(layer, FastLinear)}
-        # A weight held only in an engine's object (fbgemm's fp16) is hashed as read back for compiling
-        tensors.update({f"{name}.read_back": layer.format.compile_weight(layer.kernel_args)
-                        for name, layer in layers.items()
-                        if layer.format.compile_weight is not None and _holds_an_engine_object(layer)})
+        # A weight held only in an engine's object (fbgemm's fp16) is hashed as read back
+        tensors.update({f"{name}.read_back": layer.format.read_back(layer.kernel_args)
+                        for name, layer in layers.items() if layer.format.read_back is not None})
         # by name: a float32 lm_head's plain copy is wte's own table, which is hashed as wte
         plain_copies = {f"{name}.weight" for name, layer in layers.items()
                         if layer.format.compile_weight is not None and "weight" in layer.tensors}

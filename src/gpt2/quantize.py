@@ -376,7 +376,7 @@ def _linear_dynamic(x: torch.Tensor, t: dict, packed: str = "packed", unit_range
     if torch.compiler.is_compiling():
         if unit_range and u8s8_compiles_from_tensors():
             return _u8s8_from_tensors(x, t)
-        return linear_dynamic_op(x, t[f"{packed}_handle"], t["q"].size(0))  # Dynamo cannot trace the packed object
+        return linear_dynamic_op(x, t[f"{packed}_key"], t["q"].size(0))  # Dynamo cannot trace the packed object
     return torch.ops.quantized.linear_dynamic(x, t[packed], False)
 
 
@@ -412,13 +412,13 @@ def _u8s8_from_tensors_probed() -> bool:
 
 
 @torch.library.custom_op("gpt2::linear_dynamic", mutates_args=())
-def linear_dynamic_op(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
-    """_linear_dynamic as one op of a compiled graph, the packed weight named by its handle (_Packed)."""
-    return torch.ops.quantized.linear_dynamic(x, _PACKED[handle].obj, False)
+def linear_dynamic_op(x: torch.Tensor, key: str, out_features: int) -> torch.Tensor:
+    """_linear_dynamic as one op of a compiled graph, the packed weight named by its key (_Packed)."""
+    return torch.ops.quantized.linear_dynamic(x, _packed_object(key), False)
 
 
 @linear_dynamic_op.register_fake
-def _(x, handle, out_features):
+def _(x, key, out_features):
     return x.new_empty(x.size(0), out_features)
 
 
@@ -664,20 +664,35 @@ def _int4_dequant(x, t, bias, activation):
 class _Packed:
     """An opaque engine object (a quantized engine's packed weight) kept in a tensors dict; not a tensor.
 
-    Each has a handle, an int a compiled graph can hold: its custom ops look the object up in _PACKED.
+    Each has a key, a string a compiled graph can hold: its custom ops look the object up by it
+    (_packed_object). A new object's key names it in this process only; engine.name_engine_objects gives
+    a model's the names any process gives the same weights (its digest and the layer's name), so that a
+    package, which holds the keys, finds them again in another process.
     """
 
     def __init__(self, obj):
         self.obj = obj
-        self.handle = next(_handles)
-        _PACKED[self.handle] = self
+        self.key = ""
+        self.rename(f"unnamed {next(_handles)}")
 
-    def __deepcopy__(self, memo):  # a copy gets its own handle (a copied one would name the original)
+    def rename(self, key: str) -> None:
+        _PACKED.get(self.key, set()).discard(self)
+        self.key = key
+        _PACKED.setdefault(key, weakref.WeakSet()).add(self)  # two models of the same weights share their keys
+
+    def __deepcopy__(self, memo):  # a copy gets its own key (a copied one would name the original)
         return _Packed(copy.deepcopy(self.obj, memo))
 
 
 _handles = itertools.count()
-_PACKED: "weakref.WeakValueDictionary[int, _Packed]" = weakref.WeakValueDictionary()  # alive while a layer holds it
+_PACKED: "dict[str, weakref.WeakSet[_Packed]]" = {}  # key -> the objects of that name alive (a layer holds each)
+
+
+def _packed_object(key: str):
+    """The engine object a compiled graph names by key: any of those of that name (they hold the same weights)."""
+    for packed in _PACKED.get(key, ()):
+        return packed.obj
+    raise KeyError(f"no engine object named {key!r} is alive in this process")
 
 
 @dataclass
@@ -711,17 +726,20 @@ class WeightFormat:
     # the same tensors). It is not measured itself: kernels.py reads its timings off its parts' and
     # keeps it only where it gains enough to pay for its memory.
     parts: dict[str, dict[str, str]] = field(default_factory=dict)
-    # Its eager paths take float32 x at a bf16 precision (fbgemm's fp16 GEMM): a centered lm_head's input
-    # (CENTERED_LOGITS) is not rounded to bf16 for it. (Its compiled path is Inductor's bf16 GEMM, whose
-    # logits are rounded where no template returns its accumulator: so it is centered all the same.)
+    # Its paths take float32 x at a bf16 precision (fbgemm's fp16 GEMM): a centered lm_head's input
+    # (CENTERED_LOGITS) is not rounded to bf16 for it.
     takes_float32: bool = False
-    # Its compiled paths read tensors only, never an engine's packed object it holds (which no package can
-    # hold: engine._holds_engine_objects)
-    compiles_without_engine: bool = False
+    # A package can hold its compiled paths: they read tensors only, or call an engine's packed object by
+    # the key engine.name_engine_objects names it with in every process (fbgemm's fp16 GEMM). Not u8s8's
+    # engines' (engine._holds_engine_objects).
+    packages: bool = False
     # tensors -> the plain (N, K) weight its compiled path reads, for a format that does not keep it (MKL's:
     # Inductor lowers _mkl_linear only for weights it packed itself; oneDNN's: torch.export cannot trace its
     # opaque packed tensor); add_compile_weights, before compiling
     compile_weight: Callable[[dict], torch.Tensor] | None = None
+    # tensors -> the (N, K) weight held only in an engine's packed object, read back (exact): what
+    # engine.weights_digest hashes for it
+    read_back: Callable[[dict], torch.Tensor] | None = None
     # packed tensors whose padding bytes the packing leaves unset (MKL's): one weight packs to other bytes each
     # time, so they are compared and hashed (engine.weights_digest) through the weight they hold, never as bytes
     unset_padding: tuple[str, ...] = ()
@@ -793,8 +811,8 @@ def _pack_bf16(w, bias):
 
 
 def _fp16_weight(t) -> torch.Tensor:
-    """The (N, K) weight fbgemm's fp16 packing holds, read back (exact), as bf16: the compiled path's and the
-    reference's. Each float16 value came from a bf16 one, so bf16 holds it again."""
+    """The (N, K) weight fbgemm's fp16 packing holds, read back (exact), as bf16: the reference's and the
+    weights digest's. Each float16 value came from a bf16 one, so bf16 holds it again."""
     return torch.ops.quantized.linear_unpack_fp16(t["packed"])[0].to(torch.bfloat16)
 
 
@@ -805,26 +823,26 @@ def _fp16_reference(w, t, rows=None):
 
 
 def _fp16(x, t, bias, activation):
-    """fbgemm's GEMM over the float16 weights: float32 x and output. A compiled step reads the bf16 weight read
-    back for it (add_compile_weights) as the plain format's path does: Inductor's own GEMM, and a step
-    that packages (engine.PackagedDecodeStep); where that weight is left out, fbgemm's through its op."""
+    """fbgemm's GEMM over the float16 weights: float32 x and output. A compiled step calls the same kernel
+    through its op, which names the packed weight by its key: a package holds it (engine.name_engine_objects).
+    Inductor's own bf16 GEMM (its template or oneDNN's, autotuned) read the weights slower where the plan
+    chose fbgemm's: on an AMD EPYC Zen 4, 124M's compiled batch-8 step in about half the time
+    (BENCHMARKS.md, "fbgemm's fp16 GEMM in the compiled step")."""
     if torch.compiler.is_compiling():
-        if "weight" in t:
-            return _plain(x, t, bias, activation)
-        y = linear_fp16_op(x.float(), t["packed_handle"], t["out_features"])
+        y = linear_fp16_op(x.float(), t["packed_key"], t["out_features"])
     else:
         y = torch.ops.quantized.linear_dynamic_fp16(x.float(), t["packed"])  # (M, N) float32
     return _act(y if bias is None else y.add_(bias), activation)
 
 
 @torch.library.custom_op("gpt2::linear_fp16", mutates_args=())
-def linear_fp16_op(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
-    """fbgemm's fp16 GEMM as one op of a compiled graph, the packed weight named by its handle (_Packed)."""
-    return torch.ops.quantized.linear_dynamic_fp16(x, _PACKED[handle].obj)
+def linear_fp16_op(x: torch.Tensor, key: str, out_features: int) -> torch.Tensor:
+    """fbgemm's fp16 GEMM as one op of a compiled graph, the packed weight named by its key (_Packed)."""
+    return torch.ops.quantized.linear_dynamic_fp16(x, _packed_object(key))
 
 
 @linear_fp16_op.register_fake
-def _(x, handle, out_features):
+def _(x, key, out_features):
     return x.new_empty(x.size(0), out_features)
 
 
@@ -990,14 +1008,13 @@ CPU_FORMATS: list[WeightFormat] = [
     # --kernels`), where no oneDNN bf16 linear runs and F.linear's bf16 GEMM is slow: the lm_head at 1 row in
     # 2.6 against F.linear's 4.9 ms, at 8 rows 5.9 against 34.2; 768x3072 at 8 rows 0.38 against 1.88 ms.
     WeightFormat("fbgemm fp16", "bfloat16", _pack_fp16, _fp16_reference, {"fbgemm fp16": _fp16},
-                 compile_weight=_fp16_weight, compiles_without_engine=True, takes_float32=True,
-                 available=_fp16_available),
+                 read_back=_fp16_weight, packages=True, takes_float32=True, available=_fp16_available),
     # Both: F.linear's bf16 weight and fbgemm's, for a layer where F.linear is the faster at 1 row and
     # fbgemm at 8 (kernels.py keeps it only where that gains COMBINED_GAIN). The lm_head's centered input
     # is bf16, as F.linear takes it; fbgemm multiplies those values exactly.
     WeightFormat("plain+fbgemm fp16", "bfloat16", lambda w, b: {**_pack_bf16(w, b), **_pack_fp16(w, b)},
                  lambda w, t, rows=None: _rows(t["weight"], rows).double(),
-                 {"F.linear": _plain, "fp32 GEMM": _upcast, "fbgemm fp16": _fp16}, compiles_without_engine=True,
+                 {"F.linear": _plain, "fp32 GEMM": _upcast, "fbgemm fp16": _fp16}, packages=True,
                  available=_fp16_available,
                  parts={"plain": {"F.linear": "F.linear", "fp32 GEMM": "fp32 GEMM"},
                         "fbgemm fp16": {"fbgemm fp16": "fbgemm fp16"}}),
@@ -1013,7 +1030,7 @@ CPU_FORMATS: list[WeightFormat] = [
                  activation_levels={"u8s8 14-bit per row": SPLIT_LEVELS},
                  many_row_paths=("dequant bf16", "dequant fp32"),
                  available=_engine_available("fbgemm", bits=7), same_weights_as="weight-only",
-                 repack=_repack_int8_engine("fbgemm"), compiles_without_engine=True),
+                 repack=_repack_int8_engine("fbgemm"), packages=True),
     WeightFormat("dynamic fbgemm", "int8", _pack_int8_engine("fbgemm"), _int8_reference,
                  {"u8s8 dynamic": _int8_dynamic, "u8s8 per row": _int8_dynamic_rows, "int8pack_mm": _int8pack,
                   "dequant bf16": _int8_dequant_bf16},
@@ -1207,7 +1224,7 @@ class FastLinear(nn.Module):
         # What the paths read, gathered once (a decode step calls ~50 linears: per-call lookups add up).
         opaque = {name: t for name, t in self.tensors.items() if isinstance(t, _Packed)}
         self.kernel_args = {**{name: t.obj for name, t in opaque.items()},
-                            **{f"{name}_handle": t.handle for name, t in opaque.items()},
+                            **{f"{name}_key": t.key for name, t in opaque.items()},
                             **{name: self._buffers[name] for name in self.tensors if name not in opaque}}
 
     def _apply(self, fn, recurse=True):  # .to(), .cpu(), ... replace the buffers: gather them again
@@ -1215,7 +1232,7 @@ class FastLinear(nn.Module):
         self._gather_kernel_args()
         return module
 
-    def __setstate__(self, state):  # copy.deepcopy: the copy's buffers and handles are its own
+    def __setstate__(self, state):  # copy.deepcopy: the copy's buffers and keys are its own
         super().__setstate__(state)
         self._gather_kernel_args()
 
@@ -1261,6 +1278,13 @@ class FastLinear(nn.Module):
             self.tensors["weight"] = weight
             self.register_buffer("weight", weight, persistent=False)
             self._gather_kernel_args()
+
+    def name_engine_objects(self, prefix: str) -> None:
+        """Keys its engine objects prefix + their tensors' names (_Packed.key), for a compiled graph to hold."""
+        for name, t in self.tensors.items():
+            if isinstance(t, _Packed):
+                t.rename(f"{prefix}.{name}")
+        self._gather_kernel_args()
 
     def reference_weight(self) -> torch.Tensor:
         """The (N, K) weight this layer computes with, float64, read back from its packing."""
@@ -1364,7 +1388,7 @@ def add_compile_weights(model: nn.Module) -> None:
     needed, available = COMPILE_BYTES_PER_WEIGHT_BYTE * compiled_weight_bytes(model), available_memory_bytes()
     if needed > available:
         log.warning("compiling with Inductor's own weights needs ~%.1f GB, %.1f GB available: %d layers "
-                    "compile as their own library's GEMM instead (MKL's, oneDNN's, fbgemm's)", needed / 1e9,
+                    "compile as their own library's GEMM instead (MKL's, oneDNN's)", needed / 1e9,
                     available / 1e9, len(layers))
         return
     table = model.transformer.wte.weight
