@@ -326,9 +326,11 @@ def name_engine_objects(model) -> None:
     layer's name: the names any process gives the same weights. A compiled graph holds the keys, so a
     package built in one process finds the objects again in another, and Inductor's cache hits."""
     from gpt2.quantize import FastLinear
-    digest = weights_digest(model)
-    for name, layer in model.named_modules():
-        if isinstance(layer, FastLinear):
+    layers = {name: layer for name, layer in model.named_modules()
+              if isinstance(layer, FastLinear) and _holds_an_engine_object(layer)}
+    if layers:  # the digest only where some layer needs it (hashing gpt2-xl takes seconds)
+        digest = weights_digest(model)
+        for name, layer in layers.items():
             layer.name_engine_objects(f"{digest} {name}")
 
 

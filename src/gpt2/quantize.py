@@ -673,7 +673,7 @@ class _Packed:
     def __init__(self, obj):
         self.obj = obj
         self.key = ""
-        self.rename(f"unnamed {next(_handles)}")
+        self.rename(f"unnamed {next(_unnamed)}")
 
     def rename(self, key: str) -> None:
         _PACKED.get(self.key, set()).discard(self)
@@ -684,7 +684,7 @@ class _Packed:
         return _Packed(copy.deepcopy(self.obj, memo))
 
 
-_handles = itertools.count()
+_unnamed = itertools.count()
 _PACKED: "dict[str, weakref.WeakSet[_Packed]]" = {}  # key -> the objects of that name alive (a layer holds each)
 
 
@@ -826,8 +826,8 @@ def _fp16(x, t, bias, activation):
     """fbgemm's GEMM over the float16 weights: float32 x and output. A compiled step calls the same kernel
     through its op, which names the packed weight by its key: a package holds it (engine.name_engine_objects).
     Inductor's own bf16 GEMM (its template or oneDNN's, autotuned) read the weights slower where the plan
-    chose fbgemm's: on an AMD EPYC Zen 4, 124M's compiled batch-8 step in about half the time
-    (BENCHMARKS.md, "fbgemm's fp16 GEMM in the compiled step")."""
+    chose fbgemm's: on an AMD EPYC Zen 4, 124M's compiled batch-8 step in 0.59 of the time (BENCHMARKS.md,
+    "A new CPU: an AMD EPYC of family 25 model 17")."""
     if torch.compiler.is_compiling():
         y = linear_fp16_op(x.float(), t["packed_key"], t["out_features"])
     else:
