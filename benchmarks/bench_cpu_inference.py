@@ -26,6 +26,9 @@ on this machine's memory: oneDNN is capped at AVX512_CORE_BF16 (ONEDNN_MAX_CPU_I
 templates leave out their AMX micro-kernels, and the kernel plans and compiled graphs get caches of
 their own under the workdir (neither cache keys on either setting). llama.cpp is built without AMX.
 
+--small-pages: each of ours also runs with its memory in 4 KB pages (GPT2_HUGE_PAGES=0: huge_pages.py
+leaves it as the allocators placed it), compiled too under --compile: what 2 MiB pages gain.
+
 --load: loading instead, file to a model ready to generate, each load in a fresh process: its seconds,
 and the peak and final RSS above the process before it (libraries imported). Ours: load_for_inference
 (each linear packed as it is read; at int4 the quantized weights come from ~/.cache/gpt2/int4, which
@@ -102,6 +105,8 @@ def worker_ours(args) -> dict:
     if args.no_amx:  # before Inductor first picks its vector ISA (cached for the process)
         torch.cpu._is_amx_tile_supported = lambda: False
         torch.cpu._is_amx_fp16_supported = lambda: False
+    if args.small_pages:
+        os.environ["GPT2_HUGE_PAGES"] = "0"
     from gpt2.kv_cache import KVCache
     from gpt2.quantize import load_for_inference
     model = load_for_inference(args.model_dir, args.precision, "cpu", kv_dtype=args.kv_dtype)
@@ -419,6 +424,11 @@ def speed(args, model_dir: Path, gguf_dir: Path, n_weights: int) -> None:
         contenders.append((f"ours {p}{kv}", "ours", ours, WEIGHT_BYTES[p]))
         if args.compile:  # every precision has a compiled decode step
             contenders.append((f"ours {p}{kv} compiled", "ours", {**ours, "compile": True}, WEIGHT_BYTES[p]))
+        if args.small_pages:
+            for compiled in [False, True][: 1 + args.compile]:
+                contenders.append((f"ours {p}{kv}{' compiled' * compiled} 4 KB pages", "ours",
+                                   {**ours, "small_pages": True, **({"compile": True} if compiled else {})},
+                                   WEIGHT_BYTES[p]))
         if not args.no_llama:
             contenders.append((f"llama.cpp {LLAMA[p]}", "llama", {"gguf": make_gguf(model_dir, p, gguf_dir)},
                                LLAMA_BYTES[p]))
@@ -583,6 +593,7 @@ def main():
                     help="also run ours with the compiled decode step, at every precision (compiling is not timed)")
     ap.add_argument("--kv-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                     help="our KV cache's dtype, as load_for_inference takes it (llama.cpp's is f16)")
+    ap.add_argument("--small-pages", action="store_true", help="ours in 4 KB pages too (above)")
     ap.add_argument("--no-hf", action="store_true", help="skip Transformers")
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp (no benchmark venv)")
     ap.add_argument("--no-amx", action="store_true", help="ours and Transformers as on a CPU without AMX (above)")

@@ -58,6 +58,7 @@ import torch
 from gpt2.atomic import durable_replace
 from gpt2.config import GPT2_EOT
 from gpt2.errors import ConfigError, ContextLengthError
+from gpt2.huge_pages import collapse_into_huge_pages
 from gpt2.kv_cache import KVCache
 from gpt2.sampling import SamplingConfig, SamplingState, accept_drafts, draw, greedy, make_generators, next_tokens
 from gpt2.user_cache import default_cache_dir, drop_least_recently_used, mark_used
@@ -556,7 +557,7 @@ def _load_or_build_package(model, inputs):
     if path.exists():
         start = time.perf_counter()
         try:
-            runner = torch._inductor.aoti_load_package(str(path))
+            runner = _load_package(path)
             mark_used(path)  # the cache drops the least recently used first
             log.info("loaded the compiled decode step from %s in %.1f s", path, time.perf_counter() - start)
             return runner
@@ -596,7 +597,14 @@ def _load_or_build_package(model, inputs):
         drop_compile_weights(model)  # and the build's garbage handed back, before the package's weights are read in
     drop_least_recently_used(path.parent.glob("decode-*.pt2"), PACKAGE_CACHE_BYTES, used_since=started)
     log.info("compiled the decode step in %.1f s", time.perf_counter() - start)
-    return torch._inductor.aoti_load_package(str(path))
+    return _load_package(path)
+
+
+def _load_package(path: Path):
+    """The package at path, loaded, and the weights it holds moved into huge pages (huge_pages.py)."""
+    runner = torch._inductor.aoti_load_package(str(path))
+    collapse_into_huge_pages()
+    return runner
 
 
 def _export_step(model, inputs, rows: int | None):

@@ -65,6 +65,7 @@ import xxhash
 
 from gpt2.atomic import atomic_write_bytes
 from gpt2.errors import ConfigError
+from gpt2.huge_pages import collapse_into_huge_pages
 from gpt2.user_cache import default_cache_dir, drop_least_recently_used, mark_used
 
 log = logging.getLogger(__name__)
@@ -1560,6 +1561,7 @@ def load_for_inference(name_or_path, dtype: str = "float32", device=None, verbos
                                                 replace_linear=place))
     embedding_to_bf16(model)  # the lm_head comes last: the float32 table goes now
     return_freed_memory()
+    huge = collapse_into_huge_pages()  # after the trim, which would split them again
     if dtype == "int4":
         prune_int4_cache(used_since=started)  # this model's entries stay
     if kv_dtype == "auto":
@@ -1569,6 +1571,7 @@ def load_for_inference(name_or_path, dtype: str = "float32", device=None, verbos
     if verbose:
         print(plan.describe(), flush=True)
         print(f"KV cache: {str(model.kv_dtype).removeprefix('torch.')} ({why})", flush=True)
+        print(f"memory in 2 MiB pages: {huge / 2**20:.0f} MiB (huge_pages.py)", flush=True)
     return model
 
 
