@@ -3,13 +3,15 @@
     flock -x /tmp/gpt2-bench.lock .venv/bin/python benchmarks/ab_plans.py --dtype int8 \\
         --edit "50257x768@int8=dynamic onednn" --rows 1 8 --pairs 5
     ... --plans A/kernels.json B/kernels.json     # two kernel caches (kernels.json files) instead
+    ... --dtype bfloat16 --compile --env-b GPT2_HUGE_PAGES=0   # one plan; B's processes in this environment
 
 kernels.py ranks the paths of one block's layers, or of the lm_head, timed apart from the model; this
 checks a choice where it counts, in a decode step. Plan A is the kernel cache as it is (measured first
 if the model's shapes are missing: `gpt2 info --kernels` shows it); plan B is A with the layers named
 by --edit ("SHAPE_KEY=FORMAT", the entry's key as `gpt2 info --kernels` prints it, with "@PRECISION"
 for a layer kept at another precision than the model's) in another format, each regime taking that
-format's fastest path in the entry's own timings. Or --plans gives both.
+format's fastest path in the entry's own timings. Or --plans gives both. --env-b sets variables in B's
+processes only (alone, B's plan is A's): what a setting read from the environment gains.
 
 Each plan runs in its own process (XDG_CACHE_HOME pointing at a directory holding only that plan, the
 machine's cache size and attention timings copied beside it, so nothing is measured there), A and B
@@ -34,6 +36,9 @@ from pathlib import Path
 from bench_cpu_inference import ROOT, export_model, machine_report, time_decode
 
 MEASUREMENTS = ("cpu_cache.json", "attention.json")  # cached_measurement files a plan's process reuses
+# Cache parts named by what they hold (a hash of the weights, the plan and the code): both plans' processes
+# share the user's, so that neither searches int4's weights or compiles a package another run already made
+SHARED_PARTS = ("int4", "compiled")
 
 
 def _env(**extra) -> dict:
@@ -114,14 +119,17 @@ def plan_dirs(args, work: Path) -> list[Path]:
         for measured in MEASUREMENTS:
             if (cache.parent / measured).exists():
                 shutil.copy(cache.parent / measured, d / measured)
+        for part in SHARED_PARTS:
+            (cache.parent / part).mkdir(parents=True, exist_ok=True)
+            (d / part).symlink_to(cache.parent / part, target_is_directory=True)
         dirs.append(d.parent)
     return dirs
 
 
-def run(args, xdg: Path) -> dict:
+def run(args, xdg: Path, env: dict) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--model", str(args.model_dir), "--dtype", args.dtype,
            "--steps", str(args.steps), "--rows", *map(str, args.rows)] + ["--compile"] * args.compile
-    done = subprocess.run(cmd, capture_output=True, text=True, env=_env(XDG_CACHE_HOME=str(xdg)))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=_env(XDG_CACHE_HOME=str(xdg), **env))
     if done.returncode != 0:
         raise SystemExit(f"a plan's process failed:\n{done.stderr[-3000:]}")
     return {int(k): v for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
@@ -132,6 +140,7 @@ def main():
     ap.add_argument("--dtype", default="int8", choices=["float32", "bfloat16", "int8", "int4"])
     ap.add_argument("--edit", nargs="+", default=[], metavar="SHAPE_KEY=FORMAT", help="plan B: plan A with these")
     ap.add_argument("--plans", nargs=2, metavar=("A", "B"), help="two kernel caches (kernels.json) instead")
+    ap.add_argument("--env-b", nargs="+", default=[], metavar="NAME=VALUE", help="B's processes in this environment")
     ap.add_argument("--rows", nargs="+", type=int, default=[1], help="batch sizes decoded (default 1)")
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--steps", type=int, default=128)
@@ -142,8 +151,9 @@ def main():
     if args.worker:
         print(json.dumps(worker(args)))
         return
-    if not args.plans and not args.edit:
-        ap.error("give --edit (plan B = the cache with those layers changed) or --plans A B")
+    if not args.plans and not args.edit and not args.env_b:
+        ap.error("give --edit (plan B = the cache with those layers changed), --plans A B, or --env-b")
+    env_b = dict(setting.partition("=")[::2] for setting in args.env_b)
     work = Path(tempfile.mkdtemp(prefix="ab_plans_"))
     try:
         machine_report()
@@ -153,12 +163,12 @@ def main():
         except ValueError as e:  # an --edit the cache cannot take
             raise SystemExit(f"ab_plans.py: {e}") from None
         print(f"{args.dtype}, rows {args.rows}, {args.steps} steps, best of 3 a process; B: "
-              + (" ".join(args.edit) or args.plans[1]))
+              + " ".join([*args.edit, *(args.plans[1:] if args.plans else []), *args.env_b]))
         times = {"A": [], "B": []}
         for pair in range(args.pairs):
-            order = [("A", a_dir), ("B", b_dir)][:: 1 if pair % 2 == 0 else -1]
-            for name, xdg in order:
-                times[name].append(run(args, xdg))
+            order = [("A", a_dir, {}), ("B", b_dir, env_b)][:: 1 if pair % 2 == 0 else -1]
+            for name, xdg, env in order:
+                times[name].append(run(args, xdg, env))
             print(f"  pair {pair + 1}: " + "   ".join(
                 f"{rows} rows A {times['A'][-1][rows]:.3f} B {times['B'][-1][rows]:.3f} ms" for rows in args.rows),
                 flush=True)

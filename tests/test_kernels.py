@@ -1079,10 +1079,25 @@ def test_bf16_keeps_both_weights_where_f_linear_wins_one_row_and_fbgemm_eight(mo
     assert ((logits - exact).abs().max() / exact.abs().max()).item() <= kernels.TOLERANCE["bfloat16"]
 
 
-def test_the_second_engine_is_timed_at_batch_on_the_paths_a_combined_format_takes(monkeypatch):
+@pytest.mark.skipif(not format_object("bfloat16", "plain+fbgemm fp16").available(), reason="no fbgemm fp16 GEMM here")
+def test_bf16_keeps_both_weights_where_fbgemm_wins_decode_and_f_linear_prompts(monkeypatch):
+    """An AMD EPYC Zen 4's case (BENCHMARKS.md): fbgemm's fp16 GEMM twice as fast as F.linear at 1 and 8 rows,
+    F.linear's bf16 GEMM 2x as fast for prompts. F.linear, dropped after decode, is still timed at the
+    prompts' row counts as a part of the combined format, which is kept: decode and batch on fbgemm,
+    prompts on F.linear."""
+    fake_clock(monkeypatch, lambda path, copies, x: {"_plain": 20.0 if x.size(0) <= 8 else x.size(0),
+                                                     "_fp16": 10.0 if x.size(0) <= 8 else 2.0 * x.size(0)}.get(
+                                                         path.__name__, 1000.0 * x.size(0)) * 1e-6)
+    choice = kernels.measure_shape("bfloat16", 96, 64, None)
+    assert choice.format == "plain+fbgemm fp16", choice
+    assert choice.paths == {"decode": "fbgemm fp16", "batch": "fbgemm fp16", "short": "F.linear",
+                            "prefill": "F.linear", "long": "F.linear"}
+
+
+def test_the_second_engine_is_timed_after_decode_on_the_paths_a_combined_format_takes(monkeypatch):
     """oneDNN's int8 format, 1.3x slower at 1 row, would stop after decode; as a part of the two-engine
-    format its per-row path is also timed at 8 rows (and nothing else of it), so the lm_head's faster
-    8-row kernel is found. The times are set here (a fake clock per format and rows); the checks are real."""
+    format its per-row path is also timed at 8 rows and the prompts' row counts (and nothing else of it),
+    so the lm_head's faster 8-row kernel is found. The times are set here (a fake clock per format and rows); the checks are real."""
     if not format_object("int8", "dynamic fbgemm+onednn").available():
         pytest.skip("needs both u8s8 engines (one saturates on this CPU: quantize._u8s8_sums_exactly)")
     format_of = {}  # id of a candidate copy's q -> its format (each copy's q is its own clone)
@@ -1110,7 +1125,7 @@ def test_the_second_engine_is_timed_at_batch_on_the_paths_a_combined_format_take
     assert choice.paths["decode"] == "u8s8 per row" and choice.paths["batch"] == "onednn u8s8 per row"
     # int8pack_mm's decode time is the weight-only format's (the same kernel on the same q): not timed again
     assert {(path, rows) for fmt, path, rows in timed if fmt == "dynamic onednn"} == {
-        ("_int8_dynamic", 1), ("_int8_dynamic_rows", 1), ("_int8_dynamic_rows", 8)}
+        ("_int8_dynamic", 1), *(("_int8_dynamic_rows", rows) for rows in kernels.ROWS.values())}
 
 
 def test_a_regime_is_timed_unless_the_one_before_proves_it_cannot_win():

@@ -64,6 +64,25 @@ def anonymous_ranges() -> list[tuple[int, int]]:
     return ranges
 
 
+def resident_chunks(ranges: list[tuple[int, int]] | None = None) -> list[int]:
+    """The 2 MiB-aligned chunks of ranges (default: anonymous_ranges()) at least MIN_RESIDENT resident (their
+    start addresses); none where mincore is not available."""
+    libc = _libc()
+    if libc is None:
+        return []
+    ranges = anonymous_ranges() if ranges is None else ranges
+    resident = ctypes.create_string_buffer(HUGE_PAGE // os.sysconf("SC_PAGE_SIZE"))
+    most_missing = int((1 - MIN_RESIDENT) * len(resident.raw))
+    chunks = []
+    for start, end in ranges:
+        for chunk in range(-(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE, HUGE_PAGE):
+            # mincore fails where the range was unmapped since the maps were read
+            if libc.mincore(chunk, HUGE_PAGE, resident) == 0 and \
+                    resident.raw.translate(_RESIDENT_BIT).count(0) <= most_missing:
+                chunks.append(chunk)
+    return chunks
+
+
 def collapse_into_huge_pages(ranges: list[tuple[int, int]] | None = None) -> int:
     """Collapse each mostly resident 2 MiB chunk of ranges (default: anonymous_ranges()) into a huge page.
     Returns the bytes collapsed, those already in huge pages among them."""
@@ -71,22 +90,14 @@ def collapse_into_huge_pages(ranges: list[tuple[int, int]] | None = None) -> int
     if libc is None:
         return 0
     try:
-        ranges = anonymous_ranges() if ranges is None else ranges
+        chunks = resident_chunks(ranges)
     except OSError:
         return 0
-    page = os.sysconf("SC_PAGE_SIZE")
-    resident = ctypes.create_string_buffer(HUGE_PAGE // page)
-    most_missing = int((1 - MIN_RESIDENT) * len(resident.raw))
     collapsed = 0
-    for start, end in ranges:
-        for chunk in range(-(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE, HUGE_PAGE):
-            if libc.mincore(chunk, HUGE_PAGE, resident) != 0:
-                continue  # unmapped since the maps were read
-            if resident.raw.translate(_RESIDENT_BIT).count(0) > most_missing:
-                continue
-            if libc.madvise(chunk, HUGE_PAGE, MADV_COLLAPSE) == 0:
-                collapsed += HUGE_PAGE
-            elif ctypes.get_errno() == errno.EINVAL:
-                return collapsed  # no MADV_COLLAPSE in this kernel, or THP `never`: no chunk will do
-            # else EAGAIN / ENOMEM (no free huge page now): that chunk stays in 4 KB pages
+    for chunk in chunks:
+        if libc.madvise(chunk, HUGE_PAGE, MADV_COLLAPSE) == 0:
+            collapsed += HUGE_PAGE
+        elif ctypes.get_errno() == errno.EINVAL:
+            return collapsed  # no MADV_COLLAPSE in this kernel, or THP `never`: no chunk will do
+        # else EAGAIN / ENOMEM (no free huge page now): that chunk stays in 4 KB pages
     return collapsed

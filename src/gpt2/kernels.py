@@ -24,7 +24,7 @@ at decode (a generated token costs a decode call; a prompt is paid once), the on
 summed, closest to the best of each (time / best time, added over the five regimes). A combined format
 (WeightFormat.parts: int8's two u8s8 engines in one layer) is not measured itself: its timings are its
 parts', and it replaces the format kept where it makes some regime COMBINED_GAIN faster (its parts
-slower at decode are then still timed at batch, on the paths it takes from them).
+slower at decode are then still timed at every other regime, on the paths it takes from them).
 
 What keeps measuring to seconds (GPT-2 124M on 2 cores, a fresh cache, on an Intel Xeon with AMX whose
 effective cache measured 64 MiB: float32 2.0 s, bf16 1.3 s, int8 2.4 s, int4 3.4 s; BENCHMARKS.md): a
@@ -76,7 +76,7 @@ from gpt2.quantize import (CPU_FORMATS, KV_DTYPES, REGIMES, WEIGHT_BYTES, Weight
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 18 # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
+CACHE_VERSION = 19 # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
                    # 4: the bf16 oneDNN format keeps only its packed weight (no float32-GEMM path);
                    # 5: entries keyed by the layer's own precision (int4 and int8 plans share the int8 lm_head);
                    # 6: int4's "dequant bf16" writes a (K, N) weight and fuses bias and GELU; paths cast their
@@ -93,7 +93,9 @@ CACHE_VERSION = 18 # 2: decode copies own their storage (version 1 timed float32
                    # every round (_reader), so they share the span; 16: int4's "dequant fp32" (MKL's GEMM);
                    # 17: bf16's oneDNN format has a float32-GEMM path for many rows (_onednn_upcast); a path
                    # skipped at prefill is still timed at long where short shows it may win there (_may_win);
-                   # 18: int4's dequant paths multiply the whole weight in one GEMM (quantize._dequant_buffer)
+                   # 18: int4's dequant paths multiply the whole weight in one GEMM (quantize._dequant_buffer);
+                   # 19: a combined format's parts slower at decode are timed at every regime after it, not
+                   # at batch only (_parts_to_time)
 # The files cached_measurement keeps (training.json, lm_head.json, cpu_cache.json) carry their own version:
 # a change to the kernel plans above leaves them valid.
 MEASUREMENT_CACHE_VERSION = 5
@@ -616,8 +618,7 @@ def measure_shapes(precision: str, shapes: list[tuple[int, int, str | None]]) ->
     for regime in REGIMES:  # decode first: it decides which formats go on (_fast_at_decode)
         cold = regime in COLD_REGIMES
         running = {id(layer): None if regime == "decode" else _fast_at_decode(layer.timings) for layer in layers}
-        parts_only = {id(layer): _parts_to_time(combined, running[id(layer)]) if regime == "batch" else {}
-                      for layer in layers}
+        parts_only = {id(layer): _parts_to_time(combined, running[id(layer)]) for layer in layers}
         for fmt in formats:
             # the format's first path that runs at this regime is always timed (_may_win), and the next
             # where it failed its check there, so that every format covers every regime (a one-row path
@@ -742,7 +743,9 @@ def _measure_path(fmt, name: str, path, regime: str, layers: list[_Layer], turn_
 
 def _parts_to_time(combined: list[WeightFormat], running: set[str] | None) -> dict[str, set[str]]:
     """Formats slower at decode that a combined format (WeightFormat.parts) holds beside one that goes
-    on: timed at batch too, on the paths the combined format takes from them (its reason to exist)."""
+    on: timed at every regime after decode too, on the paths the combined format takes from them (its
+    reason to exist: on an AMD EPYC Zen 4, fbgemm's fp16 GEMM reads bf16's weights twice as fast as
+    F.linear at 1 row, and F.linear's bf16 GEMM is 1.4-3.4x as fast at 64-512 rows; BENCHMARKS.md)."""
     extra = {}
     for fmt in combined if running is not None else ():
         if running & set(fmt.parts):
