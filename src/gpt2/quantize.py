@@ -1561,7 +1561,7 @@ def load_for_inference(name_or_path, dtype: str = "float32", device=None, verbos
                                                 replace_linear=place))
     embedding_to_bf16(model)  # the lm_head comes last: the float32 table goes now
     return_freed_memory()
-    huge = collapse_into_huge_pages()  # after the trim, which would split them again
+    huge = collapse_into_huge_pages() if device.type == "cpu" else 0  # after the trim, which would split them
     if dtype == "int4":
         prune_int4_cache(used_since=started)  # this model's entries stay
     if kv_dtype == "auto":
@@ -1571,7 +1571,8 @@ def load_for_inference(name_or_path, dtype: str = "float32", device=None, verbos
     if verbose:
         print(plan.describe(), flush=True)
         print(f"KV cache: {str(model.kv_dtype).removeprefix('torch.')} ({why})", flush=True)
-        print(f"memory in 2 MiB pages: {huge / 2**20:.0f} MiB (huge_pages.py)", flush=True)
+        if device.type == "cpu":
+            print(f"memory in 2 MiB pages: {huge / 2**20:.0f} MiB (huge_pages.py)", flush=True)
     return model
 
 
