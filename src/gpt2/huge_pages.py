@@ -6,10 +6,11 @@
     GPT2_HUGE_PAGES=0 gpt2 generate ...  # leave every page as it is
 
 A decode step streams every weight once: GPT-2 124M's 250 MB in bf16, some 61,000 pages of 4 KB. On an
-AMD EPYC Zen 4 the compiled step ran 10-20% faster with them in 2 MiB pages (bf16, int8, int4;
-BENCHMARKS.md, "Huge pages"). The kernels' libraries allocate the weights themselves (fbgemm's packings
-in glibc's heap, oneDNN's and torch's through torch's allocator), and where the system's THP mode is
-`madvise` (as on these VMs) Linux gives huge pages only to memory that asked for them, which none does.
+AMD EPYC Zen 4 the compiled step ran 6-8% faster with them in 2 MiB pages, at every precision
+(benchmarks/ab_huge_pages.py; BENCHMARKS.md, "The Zen 4 again"). The kernels' libraries allocate the
+weights themselves (fbgemm's packings in glibc's heap, oneDNN's and torch's through torch's allocator),
+and where the system's THP mode is `madvise` (as on these VMs) Linux gives huge pages only to memory
+that asked for them, which none does.
 
 MADV_COLLAPSE (Linux 6.1) moves memory that is already resident into huge pages, whatever allocated it.
 Each 2 MiB-aligned chunk of the process's private anonymous memory that is at least MIN_RESIDENT
