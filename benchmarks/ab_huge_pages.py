@@ -43,7 +43,7 @@ def compare(model_dir: str, precision: str, args) -> None:
         ms_per_step(b, rows, 8, args.compile)
     os.environ["GPT2_HUGE_PAGES"] = "1"
     new = [chunk for chunk in resident_chunks() if chunk not in before]
-    collapsed = collapse_into_huge_pages([(chunk, chunk + HUGE_PAGE) for chunk in new])
+    collapsed = collapse_into_huge_pages(new)
     print(f"\n{precision}{' compiled' * args.compile}: B's {len(new) * HUGE_PAGE >> 20} MiB of new resident "
           f"memory, {collapsed >> 20} MiB of it collapsed into 2 MiB pages", flush=True)
     times = {rows: {"A": [], "B": []} for rows in args.rows}

@@ -1,5 +1,6 @@
 """huge_pages.py: resident anonymous memory collapses into 2 MiB pages, sparse memory is left as it was,
-the bytes stay the same, and GPT2_HUGE_PAGES=0 leaves everything alone. The kernel's own account
+the bytes stay the same, a load's block collapses only what it brought in, and GPT2_HUGE_PAGES=0 leaves
+everything alone. The kernel's own account
 (/proc/self/smaps: AnonHugePages, Rss) is the reference."""
 
 import ctypes
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpt2.huge_pages import HUGE_PAGE, MIN_RESIDENT, collapse_into_huge_pages
+from gpt2.huge_pages import HUGE_PAGE, MIN_RESIDENT, collapse_into_huge_pages, collapsing_what_loads
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's transparent huge pages")
 
@@ -54,7 +55,7 @@ def collapsing():
     region, offset = _region(1)
     _touch(region, offset, range(HUGE_PAGE // 4096))
     address = ctypes.addressof(ctypes.c_char.from_buffer(region)) + offset
-    if collapse_into_huge_pages([(address, address + HUGE_PAGE)]) == 0:
+    if collapse_into_huge_pages([address]) == 0:
         pytest.skip("this kernel has no MADV_COLLAPSE (Linux 6.1), or no free huge page")
     region.close()
 
@@ -93,3 +94,19 @@ def test_gpt2_huge_pages_0_leaves_every_page(collapsing, monkeypatch):
     huge = _smaps_of(address)["AnonHugePages"]
     assert collapse_into_huge_pages() == 0
     assert _smaps_of(address)["AnonHugePages"] == huge
+
+
+def test_a_load_collapses_only_the_memory_it_brought_in(collapsing):
+    if _thp_mode() == "always":
+        pytest.skip("THP `always` faults whole huge pages in: the memory before the block is huge already")
+    earlier, offset = _region(2)
+    earlier.madvise(mmap.MADV_DONTFORK)  # its own VMA flags: the kernel does not merge the next mapping into it
+    _touch(earlier, offset, range(2 * HUGE_PAGE // 4096))
+    earlier_address = ctypes.addressof(ctypes.c_char.from_buffer(earlier))
+    with collapsing_what_loads() as collapsed:
+        loaded, loaded_offset = _region(2)
+        _touch(loaded, loaded_offset, range(2 * HUGE_PAGE // 4096))
+    loaded_address = ctypes.addressof(ctypes.c_char.from_buffer(loaded))
+    assert collapsed.bytes >= 2 * HUGE_PAGE
+    assert _smaps_of(loaded_address)["AnonHugePages"] >= 2 * HUGE_PAGE // 1024
+    assert _smaps_of(earlier_address)["AnonHugePages"] == 0

@@ -58,7 +58,7 @@ import torch
 from gpt2.atomic import durable_replace
 from gpt2.config import GPT2_EOT
 from gpt2.errors import ConfigError, ContextLengthError
-from gpt2.huge_pages import collapse_into_huge_pages
+from gpt2.huge_pages import collapsing_what_loads
 from gpt2.kv_cache import KVCache
 from gpt2.sampling import SamplingConfig, SamplingState, accept_drafts, draw, greedy, make_generators, next_tokens
 from gpt2.user_cache import default_cache_dir, drop_least_recently_used, mark_used
@@ -602,9 +602,8 @@ def _load_or_build_package(model, inputs):
 
 def _load_package(path: Path):
     """The package at path, loaded, and the weights it holds moved into huge pages (huge_pages.py)."""
-    runner = torch._inductor.aoti_load_package(str(path))
-    collapse_into_huge_pages()
-    return runner
+    with collapsing_what_loads():
+        return torch._inductor.aoti_load_package(str(path))
 
 
 def _export_step(model, inputs, rows: int | None):

@@ -1,7 +1,9 @@
 """A loaded model's memory moved into 2 MiB pages (Linux's transparent huge pages), where it lies.
 
-    from gpt2.huge_pages import collapse_into_huge_pages
+    from gpt2.huge_pages import collapse_into_huge_pages, collapsing_what_loads
     moved = collapse_into_huge_pages()   # bytes now in 2 MiB pages; 0 where the system offers none
+    with collapsing_what_loads() as collapsed:   # only what becomes resident inside the block
+        model = load_it()                        # collapsed.bytes: what moved
 
     GPT2_HUGE_PAGES=0 gpt2 generate ...  # leave every page as it is
 
@@ -17,7 +19,8 @@ Each 2 MiB-aligned chunk of the process's private anonymous memory that is at le
 resident (mincore) is collapsed; a sparser one is left alone, as collapsing fills in its missing pages
 (its resident size would grow). A later free inside a chunk splits it again (glibc's malloc_trim
 returns free pages), so this runs once a model is loaded and trimmed (quantize.load_for_inference),
-and again when a compiled step's package has loaded (engine.py).
+and again when a compiled step's package has loaded (engine.py), each time on the chunks that became
+resident during that load only (collapsing_what_loads): the rest of the process is not copied again.
 
 Nothing happens outside Linux, where the kernel has no MADV_COLLAPSE or THP is `never` (madvise answers
 EINVAL: stopped at the first), or under GPT2_HUGE_PAGES=0.
@@ -25,11 +28,14 @@ EINVAL: stopped at the first), or under GPT2_HUGE_PAGES=0.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
 import os
 import sys
+from types import SimpleNamespace
+from typing import Iterable
 
 MADV_COLLAPSE = 25  # <linux/mman.h>, Linux 6.1
 HUGE_PAGE = 2 << 20  # x86-64's PMD size
@@ -84,14 +90,14 @@ def resident_chunks(ranges: list[tuple[int, int]] | None = None) -> list[int]:
     return chunks
 
 
-def collapse_into_huge_pages(ranges: list[tuple[int, int]] | None = None) -> int:
-    """Collapse each mostly resident 2 MiB chunk of ranges (default: anonymous_ranges()) into a huge page.
+def collapse_into_huge_pages(chunks: Iterable[int] | None = None) -> int:
+    """Collapse each of chunks (2 MiB-aligned addresses; default: every resident_chunks()) into a huge page.
     Returns the bytes collapsed, those already in huge pages among them."""
     libc = _libc() if enabled() else None
     if libc is None:
         return 0
     try:
-        chunks = resident_chunks(ranges)
+        chunks = resident_chunks() if chunks is None else chunks
     except OSError:
         return 0
     collapsed = 0
@@ -102,3 +108,18 @@ def collapse_into_huge_pages(ranges: list[tuple[int, int]] | None = None) -> int
             return collapsed  # no MADV_COLLAPSE in this kernel, or THP `never`: no chunk will do
         # else EAGAIN / ENOMEM (no free huge page now): that chunk stays in 4 KB pages
     return collapsed
+
+
+@contextlib.contextmanager
+def collapsing_what_loads(on: bool = True):
+    """Collapse into huge pages the chunks that become resident inside the block (what a load brought in),
+    none of the rest of the process's memory, whose copying a later load would pay again. Yields a
+    namespace whose `bytes` holds the bytes collapsed once the block has run."""
+    done = SimpleNamespace(bytes=0)
+    try:
+        before = set(resident_chunks()) if on and enabled() else None
+    except OSError:
+        before = None
+    yield done
+    if before is not None:
+        done.bytes = collapse_into_huge_pages([chunk for chunk in resident_chunks() if chunk not in before])

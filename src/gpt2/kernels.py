@@ -22,9 +22,10 @@ and each of its paths is
 Per format, each regime takes its fastest path. The format kept is, among those within 5% of the fastest
 at decode (a generated token costs a decode call; a prompt is paid once), the one whose regimes are,
 summed, closest to the best of each (time / best time, added over the five regimes). A combined format
-(WeightFormat.parts: int8's two u8s8 engines in one layer) is not measured itself: its timings are its
-parts', and it replaces the format kept where it makes some regime COMBINED_GAIN faster (its parts
-slower at decode are then still timed at every other regime, on the paths it takes from them).
+(WeightFormat.parts: int8's two u8s8 engines in one layer, bf16's F.linear and fbgemm weights) is not
+measured itself: its timings are its parts', and it replaces the format kept where it makes some regime
+COMBINED_GAIN faster (its parts slower at decode are then still timed at every other regime, on the
+paths it takes from them).
 
 What keeps measuring to seconds (GPT-2 124M on 2 cores, a fresh cache, on an Intel Xeon with AMX whose
 effective cache measured 64 MiB: float32 2.0 s, bf16 1.3 s, int8 2.4 s, int4 3.4 s; BENCHMARKS.md): a

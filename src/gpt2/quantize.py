@@ -65,7 +65,7 @@ import xxhash
 
 from gpt2.atomic import atomic_write_bytes
 from gpt2.errors import ConfigError
-from gpt2.huge_pages import collapse_into_huge_pages
+from gpt2.huge_pages import collapsing_what_loads
 from gpt2.user_cache import default_cache_dir, drop_least_recently_used, mark_used
 
 log = logging.getLogger(__name__)
@@ -1011,7 +1011,8 @@ CPU_FORMATS: list[WeightFormat] = [
     WeightFormat("fbgemm fp16", "bfloat16", _pack_fp16, _fp16_reference, {"fbgemm fp16": _fp16},
                  read_back=_fp16_weight, packages=True, takes_float32=True, available=_fp16_available),
     # Both: F.linear's bf16 weight and fbgemm's, for a layer where F.linear is the faster at 1 row and
-    # fbgemm at 8 (kernels.py keeps it only where that gains COMBINED_GAIN). The lm_head's centered input
+    # fbgemm at 8 (an AVX2 EPYC), or fbgemm at 1 and 8 rows and F.linear's bf16 GEMM for prompts (a Zen 4
+    # EPYC); kernels.py keeps it only where that gains COMBINED_GAIN. The lm_head's centered input
     # is bf16, as F.linear takes it; fbgemm multiplies those values exactly.
     WeightFormat("plain+fbgemm fp16", "bfloat16", lambda w, b: {**_pack_bf16(w, b), **_pack_fp16(w, b)},
                  lambda w, t, rows=None: _rows(t["weight"], rows).double(),
@@ -1557,11 +1558,11 @@ def load_for_inference(name_or_path, dtype: str = "float32", device=None, verbos
         # holds whatever glibc does (every 256 MB of weights instead loaded gpt2-xl at int4 ~1 s faster)
         return_freed_memory()
 
-    model = without_dropout(GPT.from_pretrained(name_or_path, device=device, dtype=torch.float32,
-                                                replace_linear=place))
-    embedding_to_bf16(model)  # the lm_head comes last: the float32 table goes now
-    return_freed_memory()
-    huge = collapse_into_huge_pages() if device.type == "cpu" else 0  # after the trim, which would split them
+    with collapsing_what_loads(device.type == "cpu") as huge_pages:  # after the trim, which would split them
+        model = without_dropout(GPT.from_pretrained(name_or_path, device=device, dtype=torch.float32,
+                                                    replace_linear=place))
+        embedding_to_bf16(model)  # the lm_head comes last: the float32 table goes now
+        return_freed_memory()
     if dtype == "int4":
         prune_int4_cache(used_since=started)  # this model's entries stay
     if kv_dtype == "auto":
@@ -1572,7 +1573,7 @@ def load_for_inference(name_or_path, dtype: str = "float32", device=None, verbos
         print(plan.describe(), flush=True)
         print(f"KV cache: {str(model.kv_dtype).removeprefix('torch.')} ({why})", flush=True)
         if device.type == "cpu":
-            print(f"memory in 2 MiB pages: {huge / 2**20:.0f} MiB (huge_pages.py)", flush=True)
+            print(f"loaded into 2 MiB pages: {huge_pages.bytes / 2**20:.0f} MiB (huge_pages.py)", flush=True)
     return model
 
 
