@@ -44,6 +44,7 @@ _RESIDENT_BIT = bytes(value & 1 for value in range(256))  # mincore's byte per p
 
 
 def enabled() -> bool:
+    """Linux, and not turned off (GPT2_HUGE_PAGES=0); read at each call, so a process may change it."""
     return sys.platform.startswith("linux") and os.environ.get("GPT2_HUGE_PAGES", "1") != "0"
 
 
@@ -71,13 +72,13 @@ def anonymous_ranges() -> list[tuple[int, int]]:
     return ranges
 
 
-def resident_chunks(ranges: list[tuple[int, int]] | None = None) -> list[int]:
-    """The 2 MiB-aligned chunks of ranges (default: anonymous_ranges()) at least MIN_RESIDENT resident (their
-    start addresses); none where mincore is not available."""
+def resident_chunks() -> list[int]:
+    """The 2 MiB-aligned chunks of anonymous_ranges() at least MIN_RESIDENT resident (their start addresses);
+    none where mincore is not available."""
     libc = _libc()
     if libc is None:
         return []
-    ranges = anonymous_ranges() if ranges is None else ranges
+    ranges = anonymous_ranges()
     resident = ctypes.create_string_buffer(HUGE_PAGE // os.sysconf("SC_PAGE_SIZE"))
     most_missing = int((1 - MIN_RESIDENT) * len(resident.raw))
     chunks = []
