@@ -269,7 +269,8 @@ def test_int4pack_dequantize_reads_the_kernels_own_layout_exactly():
     N, K = 192, 128
     w = torch.randn(N, K)
     fmt = format_named("int4", "int4pack")
-    t = {k: getattr(v, "obj", v) for k, v in fmt.pack(w, None).items()}
+    t_packed = fmt.pack(w, None)
+    t = quantize.path_args(t_packed)
     back = int4pack_dequantize(t["int4pack"], t["scales_zeros_padded"])
     assert back.dtype == torch.bfloat16
     torch.testing.assert_close(back.double(), dequantized("int4", w).to(torch.bfloat16).double(), rtol=0, atol=0)
@@ -357,7 +358,8 @@ def test_every_path_matches_its_reference(fmt, activation):
     torch.manual_seed(0)
     N, K = 128, 64  # N a multiple of 64: int4pack's "dequant bf16" reads the kernel's blocks of 64 rows
     w, b = torch.randn(N, K) * 0.1, torch.randn(N) * 0.1
-    tensors = {k: getattr(v, "obj", v) for k, v in fmt.pack(w, b).items()}
+    tensors_packed = fmt.pack(w, b)
+    tensors = quantize.path_args(tensors_packed)
     for name, path in fmt.paths.items():
         for rows in (1,) if name in fmt.one_row_paths else ROWS:
             if fmt.precision == "float32":  # fused or packed float32: the plain product within 1e-5
@@ -399,7 +401,8 @@ def test_int8_per_token_paths_quantize_each_row_by_its_own_range(fmt):
     torch.manual_seed(0)
     N, K = 128, 64
     w, b = torch.randn(N, K) * 0.1, torch.randn(N) * 0.1
-    tensors = {k: getattr(v, "obj", v) for k, v in fmt.pack(w, b).items()}
+    tensors_packed = fmt.pack(w, b)
+    tensors = quantize.path_args(tensors_packed)
     row = torch.randn(1, K) * 0.3 + 1.5  # all positive
     beside = [torch.randn(7, K) * 0.3 + 1.5, torch.randn(7, K) - 1.5]  # the same kind; mostly negative
     exact = row.double() @ dequantized("int8", w).t() + b.double()
@@ -423,7 +426,8 @@ def test_fp16_format_holds_the_bf16_weights_and_refuses_what_float16_cannot():
     w = torch.randn(32, 64) * 0.05
     # 65,280: bf16's largest value below float16's 65,504
     w[0, :8] = torch.tensor([2.0 ** -14, -(2.0 ** -14), 1000.0, 3e-6, 1e-9, 0.0, 65280.0, -1.5])
-    tensors = {k: getattr(v, "obj", v) for k, v in fmt.pack(w, None).items()}
+    tensors_packed = fmt.pack(w, None)
+    tensors = quantize.path_args(tensors_packed)  # as a layer's paths read them: the objects and their keys
     read_back, bf16 = fmt.reference_weight(None, tensors), w.to(torch.bfloat16).double()
     assert torch.equal(read_back, fmt.reference_weight(w, tensors))
     normal = bf16.abs() >= 2.0 ** -14
@@ -447,7 +451,8 @@ def test_int8_split_path_quantizes_each_row_to_14_bits(rows):
     torch.manual_seed(0)
     N, K = 96, 256
     w, b = torch.randn(N, K) * 0.1, torch.randn(N) * 0.1
-    tensors = {k: getattr(v, "obj", v) for k, v in quantize._pack_int8_engine("fbgemm")(w, b).items()}
+    tensors_packed = quantize._pack_int8_engine("fbgemm")(w, b)
+    tensors = quantize.path_args(tensors_packed)
     x = torch.randn(rows, K)
     x[:, 7] *= 40  # an outlier column: a wide range per row
     wq = dequantized("int8", w)
@@ -480,8 +485,10 @@ def test_int4_dequantized_in_blocks_of_rows_equals_the_whole(monkeypatch, path, 
     N, K = 192, 64  # read in 3 blocks of 64 rows (a width that is not a multiple of 64 rejects the path)
     w, b = torch.randn(N, K) * 0.1, (torch.randn(N) * 0.1).to(torch.bfloat16)
     fmt = format_named("int4", "int4pack")
-    t = {k: getattr(v, "obj", v) for k, v in fmt.pack(w, b.float()).items()}
-    other = {k: getattr(v, "obj", v) for k, v in fmt.pack(torch.randn(N, K), None).items()}  # same shape, same buffer
+    t_packed = fmt.pack(w, b.float())
+    t = quantize.path_args(t_packed)
+    other_packed = fmt.pack(torch.randn(N, K), None)
+    other = quantize.path_args(other_packed)  # same shape, same buffer
     x = torch.randn(300, K).to(torch.bfloat16)
     for activation in (None, "gelu_tanh"):
         whole = fmt.paths[path](x, t, b, activation)
@@ -528,7 +535,8 @@ def test_int4_dequant_paths_export_for_a_packaged_step_of_many_rows(path):
 def test_int4_pads_an_output_width_that_is_not_a_multiple_of_16():
     fmt = next(f for f in formats_for("int4") if f.name == "int4pack")
     w = torch.randn(50, 64)
-    tensors = {k: getattr(v, "obj", v) for k, v in fmt.pack(w, None).items()}
+    tensors_packed = fmt.pack(w, None)
+    tensors = quantize.path_args(tensors_packed)
     out = fmt.paths["int4pack_mm"](torch.randn(3, 64).to(torch.bfloat16), tensors, None, None)
     assert out.shape == (3, 50)
 
@@ -1316,7 +1324,7 @@ def test_decode_timing_copies_own_their_storage(fmt, monkeypatch):
     monkeypatch.setattr(kernels, "effective_cache_bytes", lambda: 4 * 1024 ** 2)
     w, b = torch.randn(64, 256), torch.randn(64)
     copies = kernels._copies(fmt, w, b, fmt.pack(w, b))
-    strided = [[t.data_ptr() for t in kernels._unwrap(c).values()
+    strided = [[t.data_ptr() for t in quantize.path_args(c).values()
                 if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.numel() >= 64] for c in copies]
     pointers = [p for ptrs in strided for p in ptrs]
     assert len(copies) > 1 and len(set(pointers)) == len(pointers)

@@ -41,9 +41,10 @@ def test_linear_fp16_in_cpp_is_fbgemms_gemm_on_the_weight_named(built):
 
 
 @fbgemm_fp16
-def test_linear_fp16_in_cpp_holds_its_weights_weakly_and_names_what_it_cannot_find(built):
-    """Two weights of one key (two models of the same weights): the op reads either while one lives, and
-    none once both are gone (the registry holds no weight alive). An unknown key and a wrong output width
+def test_the_op_in_cpp_finds_a_weight_while_its_holder_lives_under_its_current_name(built):
+    """Two holders of one key (two models of the same weights): the op reads either while one lives. A
+    renamed holder is found under its new name only, and once every holder of a name is collected, the
+    name is gone (the registry keeps no weight past its holder). An unknown key and a wrong output width
     are errors that say so."""
     x = torch.randn(2, 64)
     first, second = packed_fp16(32, 64, 2), packed_fp16(32, 64, 2)
@@ -53,16 +54,29 @@ def test_linear_fp16_in_cpp_holds_its_weights_weakly_and_names_what_it_cannot_fi
     del first
     gc.collect()
     assert torch.equal(torch.ops.gpt2_native.linear_fp16(x, "test native shared", 32), expected)
-    del second
-    gc.collect()
+    second.rename("test native renamed")
+    assert torch.equal(torch.ops.gpt2_native.linear_fp16(x, "test native renamed", 32), expected)
     with pytest.raises(RuntimeError, match="no packed fp16 weight named test native shared"):
         torch.ops.gpt2_native.linear_fp16(x, "test native shared", 32)
-    with pytest.raises(RuntimeError, match="no packed fp16 weight named nothing of that name"):
-        torch.ops.gpt2_native.linear_fp16(x, "nothing of that name", 32)
+    del second
+    gc.collect()
+    with pytest.raises(RuntimeError, match="no packed fp16 weight named test native renamed"):
+        torch.ops.gpt2_native.linear_fp16(x, "test native renamed", 32)
     third = packed_fp16(32, 64, 3)
     third.rename("test native width")
     with pytest.raises(RuntimeError, match="has 32 outputs, not 48"):
         torch.ops.gpt2_native.linear_fp16(x, "test native width", 48)
+
+
+@fbgemm_fp16
+def test_the_fp16_path_gives_the_same_numbers_with_and_without_the_op_in_cpp(built, monkeypatch):
+    """quantize._fp16, eagerly, through the op in C++ and (where it could not be built) through fbgemm's own
+    op from Python: the same bits, with the bias and GELU after."""
+    packed = {"packed": packed_fp16(64, 32, 4), "out_features": quantize._Packed(64)}
+    args, x, bias = quantize.path_args(packed), torch.randn(5, 32), torch.randn(64)
+    through_cpp = quantize._fp16(x, args, bias, "gelu_tanh")
+    monkeypatch.setattr(native_ops, "_loaded", None)
+    assert torch.equal(quantize._fp16(x, args, bias, "gelu_tanh"), through_cpp)
 
 
 def test_a_library_that_cannot_be_built_warns_once_and_leaves_the_python_op(monkeypatch, tmp_path, caplog):

@@ -536,7 +536,7 @@ def add_cache_parser(sub):
     p = sub.add_parser("cache", help="what ~/.cache/gpt2 holds (compiled steps, int4 weights, measurements, "
                                      "the corpus), and clearing it")
     p.add_argument("--clear", nargs="+", metavar="PART", choices=["compiled", "int4", "measurements", "native", "shakespeare"],
-                   help="delete these parts (compiled, int4, measurements, shakespeare); each is rebuilt when "
+                   help="delete these parts (compiled, int4, measurements, native, shakespeare); each is rebuilt when "
                         "next needed")
     p.set_defaults(func=cmd_cache)
 

@@ -331,7 +331,6 @@ def name_engine_objects(model) -> None:
     layers = {name: layer for name, layer in model.named_modules()
               if isinstance(layer, FastLinear) and _holds_an_engine_object(layer)}
     if layers:  # the digest only where some layer needs it (hashing gpt2-xl takes seconds)
-        native_ops.load()  # first: the names reach its ops in C++ too (quantize._Packed.rename)
         digest = weights_digest(model)
         for name, layer in layers.items():
             layer.name_engine_objects(f"{digest} {name}")

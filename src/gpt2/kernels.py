@@ -72,8 +72,8 @@ from pathlib import Path
 import torch
 
 from gpt2.atomic import atomic_write_json
-from gpt2.quantize import (CPU_FORMATS, KV_DTYPES, REGIMES, WEIGHT_BYTES, WeightFormat, _Packed, formats_for,
-                           kernel_dtype, layer_precision, linear_layers)
+from gpt2.quantize import (CPU_FORMATS, KV_DTYPES, REGIMES, WEIGHT_BYTES, WeightFormat, _Packed,
+                           formats_for, kernel_dtype, layer_precision, linear_layers, path_args)
 
 log = logging.getLogger(__name__)
 
@@ -796,7 +796,7 @@ def _reader(fmt: WeightFormat, tensors: dict, b: torch.Tensor, activation: str |
     for name, path in fmt.paths.items():
         if runs_at(fmt, name, "decode"):
             try:
-                path(x, _unwrap(tensors), b, activation)
+                path(x, path_args(tensors), b, activation)
                 return path
             except (RuntimeError, NotImplementedError):
                 continue
@@ -838,10 +838,6 @@ def _is_plain(t) -> bool:
     if isinstance(t, _Packed):
         return not isinstance(t.obj, torch.ScriptObject)
     return t.layout == torch.strided
-
-
-def _unwrap(tensors: dict) -> dict:
-    return {k: getattr(v, "obj", v) for k, v in tensors.items()}
 
 
 # A check compares a long call's first and last rows, and a wide layer's first and last outputs: the
@@ -907,7 +903,7 @@ def _check(path, tensors, b, activation, expected: Expected, x: torch.Tensor,
     for these rows (Expected: the float64 reference and the bound); else (why, seconds)."""
     start = time.perf_counter()
     try:
-        y = path(x, _unwrap(tensors), b, activation)
+        y = path(x, path_args(tensors), b, activation)
     except (RuntimeError, NotImplementedError) as e:
         return f"fails at {x.size(0)} rows: {str(e).splitlines()[0][:120]}", 0.0
     elapsed = time.perf_counter() - start
@@ -968,8 +964,8 @@ def _time_in_turn(path, turn: list[tuple], best_so_far: list[float],
     tick (4-8 ms here) moves such a call by a few percent, and a second sample of each long path costs
     seconds.
     """
-    tensors = [[_unwrap(c) for c in copies] for copies, *_ in turn]
-    read = [(reader, [_unwrap(c) for c in copies], b, activation, x) for reader, copies, b, activation, x in readers]
+    tensors = [[path_args(c) for c in copies] for copies, *_ in turn]
+    read = [(reader, [path_args(c) for c in copies], b, activation, x) for reader, copies, b, activation, x in readers]
     rounds = len(tensors[0])
 
     def sweep() -> list[float]:

@@ -3,7 +3,9 @@
 // linear_fp16(x, key, out_features): fbgemm's fp16 GEMM, as quantized::linear_dynamic_fp16 computes it, on
 // the packed weight that name_packed(key, packed) named. A compiled graph cannot hold the packed weight (an
 // engine object), so it holds its key; looking it up here keeps the call in C++ (a Python op costs ~20 us a
-// call from a compiled step). The registry holds weak references: a weight lives as long as its model.
+// call from a compiled step, and passing the object from Python ~9 us). The registry holds each weight from
+// name_packed to forget_packed, which Python calls when the weight's holder (quantize._Packed) is renamed or
+// collected: not weakly, as a weak reference would keep a dead weight's memory until it was dropped.
 #include <ATen/native/quantized/PackedParams.h>
 #include <torch/library.h>
 
@@ -16,16 +18,23 @@
 namespace {
 
 using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
-using Weak = c10::weak_intrusive_ptr<LinearPackedParamsBase>;
 
 std::mutex registry_lock;
-std::unordered_map<std::string, std::vector<Weak>> registry;  // key -> the live weights of that name
+std::unordered_map<std::string, std::vector<Packed>> registry;  // key -> the weights of that name
 
 void name_packed(c10::string_view key, Packed packed) {
   std::lock_guard<std::mutex> guard(registry_lock);
   auto& named = registry[std::string(key)];  // two models of the same weights share their keys
-  named.erase(std::remove_if(named.begin(), named.end(), [](const Weak& w) { return w.expired(); }), named.end());
-  named.emplace_back(packed);
+  if (std::find(named.begin(), named.end(), packed) == named.end()) named.push_back(std::move(packed));
+}
+
+void forget_packed(c10::string_view key, Packed packed) {
+  std::lock_guard<std::mutex> guard(registry_lock);
+  auto found = registry.find(std::string(key));
+  if (found == registry.end()) return;
+  auto& named = found->second;
+  named.erase(std::remove(named.begin(), named.end(), packed), named.end());
+  if (named.empty()) registry.erase(found);
 }
 
 at::Tensor linear_fp16(const at::Tensor& x, c10::string_view key, int64_t out_features) {
@@ -33,11 +42,7 @@ at::Tensor linear_fp16(const at::Tensor& x, c10::string_view key, int64_t out_fe
   {
     std::lock_guard<std::mutex> guard(registry_lock);
     auto found = registry.find(std::string(key));
-    if (found != registry.end()) {
-      for (const Weak& w : found->second) {
-        if ((packed = w.lock())) break;
-      }
-    }
+    if (found != registry.end()) packed = found->second.front();  // any: they hold the same weights
   }
   TORCH_CHECK(packed, "no packed fp16 weight named ", key, " is alive in this process");
   at::Tensor y = packed->apply_dynamic(x, /*reduce_range=*/false);  // (M, N) float32
@@ -50,6 +55,7 @@ at::Tensor linear_fp16(const at::Tensor& x, c10::string_view key, int64_t out_fe
 
 TORCH_LIBRARY(gpt2_native, m) {
   m.def("name_packed(str key, __torch__.torch.classes.quantized.LinearPackedParamsBase packed) -> ()", name_packed);
+  m.def("forget_packed(str key, __torch__.torch.classes.quantized.LinearPackedParamsBase packed) -> ()", forget_packed);
   m.def("linear_fp16(Tensor x, str key, int out_features) -> Tensor");
   m.impl("linear_fp16", c10::DispatchKey::CPU, TORCH_FN(linear_fp16));
 }

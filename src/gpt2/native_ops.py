@@ -95,7 +95,7 @@ def _build(path: Path) -> None:
         raise OSError("no C++ compiler ($CXX, c++ or g++)")
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".partial-{os.getpid()}-{path.name}")
-    command = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC",
+    command = [compiler, "-O2", "-std=c++20", "-shared", "-fPIC",
                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
                *(f"-I{p}" for p in include_paths()), str(SOURCE),
                *(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu", "-o", str(partial)]

@@ -675,21 +675,41 @@ class _Packed:
     def __init__(self, obj):
         self.obj = obj
         self.key = ""
+        # named for native_ops' ops in C++ too, for as long as this holder lives: [its key there]
+        self._native_key = [None] if native_ops.loaded() and _is_linear_packed_params(obj) else None
+        if self._native_key is not None:
+            weakref.finalize(self, _forget_native, self._native_key, obj).atexit = False
         self.rename(f"unnamed {next(_unnamed)}")
 
     def rename(self, key: str) -> None:
         _PACKED.get(self.key, set()).discard(self)
         self.key = key
         _PACKED.setdefault(key, weakref.WeakSet()).add(self)  # two models of the same weights share their keys
-        if native_ops.loaded() and _is_linear_packed_params(self.obj):  # for ops in C++ too (weakly held)
+        if self._native_key is not None:
+            _forget_native(self._native_key, self.obj)
             torch.ops.gpt2_native.name_packed(key, self.obj)
+            self._native_key[0] = key
 
     def __deepcopy__(self, memo):  # a copy gets its own key (a copied one would name the original)
         return _Packed(copy.deepcopy(self.obj, memo))
 
 
+def _forget_native(native_key: list, obj) -> None:
+    if native_key[0] is not None:
+        torch.ops.gpt2_native.forget_packed(native_key[0], obj)
+        native_key[0] = None
+
+
 _unnamed = itertools.count()
 _PACKED: "dict[str, weakref.WeakSet[_Packed]]" = {}  # key -> the objects of that name alive (a layer holds each)
+
+
+def path_args(tensors: dict) -> dict:
+    """What a format's paths read of what it packed: its tensors, each engine object (_Packed) by its name,
+    and the object's key by the name + "_key" (for an op that looks the object up by key). Keep the packed
+    dict alive while these are used: native_ops forgets a key when its holder is collected."""
+    packed = {name: t for name, t in tensors.items() if isinstance(t, _Packed)}
+    return {**tensors, **{name: t.obj for name, t in packed.items()}, **{f"{name}_key": t.key for name, t in packed.items()}}
 
 
 def _is_linear_packed_params(obj) -> bool:
@@ -806,6 +826,7 @@ def _pack_fp16(w, bias):
     w16 = w.to(torch.bfloat16).to(torch.float16)
     if not torch.isfinite(w16).all():
         raise ConfigError("a bf16 weight beyond float16's range (65,504): fbgemm's fp16 format cannot hold it")
+    native_ops.load()  # before the first is named (_Packed.rename): _fp16 calls it through the op in C++
     packed = torch.ops.quantized.linear_prepack_fp16(w16.float(), None)
     return {"packed": _Packed(packed), "out_features": _Packed(w.size(0))}
 
@@ -836,11 +857,12 @@ def _fp16(x, t, bias, activation):
     Inductor's own bf16 GEMM (its template or oneDNN's, autotuned) read the weights slower where the plan
     chose fbgemm's: on an AMD EPYC Zen 4, 124M's compiled batch-8 step in 0.59 of the time (BENCHMARKS.md,
     "A new CPU: an AMD EPYC of family 25 model 17")."""
-    if torch.compiler.is_compiling():  # the op in C++ where native_ops built it (~2 us a call against ~21)
-        op = torch.ops.gpt2_native.linear_fp16 if native_ops.loaded() else linear_fp16_op
-        y = op(x.float(), t["packed_key"], t["out_features"])
+    if native_ops.loaded():  # the same GEMM through an op in C++: ~2 us a call against ~13 eagerly, ~21 compiled
+        y = torch.ops.gpt2_native.linear_fp16(x.float(), t["packed_key"], t["out_features"])  # (M, N) float32
+    elif torch.compiler.is_compiling():
+        y = linear_fp16_op(x.float(), t["packed_key"], t["out_features"])
     else:
-        y = torch.ops.quantized.linear_dynamic_fp16(x.float(), t["packed"])  # (M, N) float32
+        y = torch.ops.quantized.linear_dynamic_fp16(x.float(), t["packed"])
     return _act(y if bias is None else y.add_(bias), activation)
 
 
@@ -1233,10 +1255,8 @@ class FastLinear(nn.Module):
 
     def _gather_kernel_args(self) -> None:
         # What the paths read, gathered once (a decode step calls ~50 linears: per-call lookups add up).
-        opaque = {name: t for name, t in self.tensors.items() if isinstance(t, _Packed)}
-        self.kernel_args = {**{name: t.obj for name, t in opaque.items()},
-                            **{f"{name}_key": t.key for name, t in opaque.items()},
-                            **{name: self._buffers[name] for name in self.tensors if name not in opaque}}
+        self.kernel_args = {**path_args(self.tensors),  # the tensors as the buffers are now (after .to())
+                            **{name: self._buffers[name] for name in self.tensors if name in self._buffers}}
 
     def _apply(self, fn, recurse=True):  # .to(), .cpu(), ... replace the buffers: gather them again
         module = super()._apply(fn, recurse)
