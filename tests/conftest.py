@@ -36,13 +36,13 @@ def measure_busy_machines_as_gpt2_does(monkeypatch):
 @pytest.fixture(scope="session", autouse=True)
 def session_measurement_cache(tmp_path_factory):
     """Kernel plans, the other measurements (speculation.json, training.json, ...), the packaged decode
-    steps, int4's quantized weights and the C++ ops of in-process tests go to the session's own cache,
-    never the user's. Tests that check the cache itself patch it again."""
-    from gpt2 import engine, kernels, native_ops, quantize
+    steps and int4's quantized weights of in-process tests go to the session's own cache, never the
+    user's. Tests that check the cache itself patch it again. gpt2's C++ ops (native_ops) are built in
+    the user's cache: the same source and torch build the same library, and a process loads one only."""
+    from gpt2 import engine, kernels, quantize
     path = tmp_path_factory.mktemp("gpt2-cache") / "kernels.json"
     patch = pytest.MonkeyPatch()
     patch.setattr(kernels, "default_cache_path", lambda: path)
-    patch.setattr(native_ops, "native_directory", lambda: path.parent / "native")  # built once a session
     patch.setattr(engine, "package_directory", lambda: path.parent / "compiled")  # packaged decode steps
     patch.setattr(quantize, "int4_cache_directory", lambda: path.parent / "int4")
     # Every measurement counts as taken on a quiet machine, so a test that loads twice reads at the second

@@ -1,7 +1,9 @@
 """native_ops: gpt2's ops in C++, built into the session's cache, against the ops they stand for."""
 
 import gc
-import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,15 +21,20 @@ def built():
     return path
 
 
+def native(x, key, out_features, reduce_range=False):
+    return torch.ops.gpt2_native.linear_dynamic(x, key, out_features, reduce_range)
+
+
 def packed_fp16(n: int, k: int, seed: int) -> quantize._Packed:
     torch.manual_seed(seed)
     return quantize._Packed(torch.ops.quantized.linear_prepack_fp16(torch.randn(n, k) * 0.05, None))
 
 
 @fbgemm_fp16
-def test_linear_fp16_in_cpp_is_fbgemms_gemm_on_the_weight_named(built):
+def test_the_op_in_cpp_is_fbgemms_fp16_gemm_on_the_weight_named(built):
     """The op in C++ returns what quantized::linear_dynamic_fp16 returns on the packed weight its key names,
-    bit for bit, at 1, 8 and 64 rows; two weights of other keys are not confused."""
+    bit for bit, at 1, 8 and 64 rows, as the Python op of a compiled graph does; two weights of other keys
+    are not confused."""
     a, b = packed_fp16(96, 64, 0), packed_fp16(96, 64, 1)
     a.rename("test native a")
     b.rename("test native b")
@@ -35,9 +42,26 @@ def test_linear_fp16_in_cpp_is_fbgemms_gemm_on_the_weight_named(built):
         x = torch.randn(rows, 64)
         for packed in (a, b):
             expected = torch.ops.quantized.linear_dynamic_fp16(x, packed.obj)
-            assert torch.equal(torch.ops.gpt2_native.linear_fp16(x, packed.key, 96), expected)
+            assert torch.equal(native(x, packed.key, 96), expected)
             assert torch.equal(quantize.linear_fp16_op(x, packed.key, 96), expected)  # the Python op, the same
-    assert not torch.equal(torch.ops.gpt2_native.linear_fp16(x, a.key, 96), torch.ops.gpt2_native.linear_fp16(x, b.key, 96))
+    assert not torch.equal(native(x, a.key, 96), native(x, b.key, 96))
+
+
+@pytest.mark.parametrize("engine", ["fbgemm", "onednn"])
+def test_the_op_in_cpp_is_the_u8s8_engines_dynamic_linear(built, engine):
+    """int8's u8s8 weights (quantize's own packing for each engine): the op in C++ returns what
+    quantized::linear_dynamic returns, bit for bit, with reduce_range off and on (_int8_split's)."""
+    if engine not in torch.backends.quantized.supported_engines:
+        pytest.skip(f"no {engine} engine here")
+    torch.manual_seed(5)
+    w, b = torch.randn(48, 64) * 0.05, torch.randn(48)
+    packed = quantize._pack_int8_engine(engine)(w, b)
+    args = quantize.path_args(packed)
+    for rows in (1, 8):
+        x = torch.rand(rows, 64)
+        for reduce_range in (False, True):
+            expected = torch.ops.quantized.linear_dynamic(x, args["packed"], reduce_range)
+            assert torch.equal(native(x, args["packed_key"], 48, reduce_range), expected)
 
 
 @fbgemm_fp16
@@ -53,19 +77,19 @@ def test_the_op_in_cpp_finds_a_weight_while_its_holder_lives_under_its_current_n
     expected = torch.ops.quantized.linear_dynamic_fp16(x, second.obj)
     del first
     gc.collect()
-    assert torch.equal(torch.ops.gpt2_native.linear_fp16(x, "test native shared", 32), expected)
+    assert torch.equal(native(x, "test native shared", 32), expected)
     second.rename("test native renamed")
-    assert torch.equal(torch.ops.gpt2_native.linear_fp16(x, "test native renamed", 32), expected)
-    with pytest.raises(RuntimeError, match="no packed fp16 weight named test native shared"):
-        torch.ops.gpt2_native.linear_fp16(x, "test native shared", 32)
+    assert torch.equal(native(x, "test native renamed", 32), expected)
+    with pytest.raises(RuntimeError, match="no packed weight named test native shared"):
+        native(x, "test native shared", 32)
     del second
     gc.collect()
-    with pytest.raises(RuntimeError, match="no packed fp16 weight named test native renamed"):
-        torch.ops.gpt2_native.linear_fp16(x, "test native renamed", 32)
+    with pytest.raises(RuntimeError, match="no packed weight named test native renamed"):
+        native(x, "test native renamed", 32)
     third = packed_fp16(32, 64, 3)
     third.rename("test native width")
     with pytest.raises(RuntimeError, match="has 32 outputs, not 48"):
-        torch.ops.gpt2_native.linear_fp16(x, "test native width", 48)
+        native(x, "test native width", 48)
 
 
 @fbgemm_fp16
@@ -79,31 +103,28 @@ def test_the_fp16_path_gives_the_same_numbers_with_and_without_the_op_in_cpp(bui
     assert torch.equal(quantize._fp16(x, args, bias, "gelu_tanh"), through_cpp)
 
 
-def test_a_library_that_cannot_be_built_warns_once_and_leaves_the_python_op(monkeypatch, tmp_path, caplog):
-    """No working compiler: load() returns None with one warning naming why, nothing is left in the cache
-    (no partial file), and what this process loaded before stays as it was."""
-    monkeypatch.setattr(native_ops, "native_directory", lambda: tmp_path / "native")
-    monkeypatch.setenv("CXX", "false")  # a "compiler" that fails
-    monkeypatch.setattr(native_ops, "_loaded", None)
-    native_ops.load.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger="gpt2.native_ops"):
-            assert native_ops.load() is None
-            assert native_ops.load() is None  # once a process
-        warnings = [r for r in caplog.records if r.name == "gpt2.native_ops"]
-        assert len(warnings) == 1 and "false failed" in warnings[0].getMessage(), warnings
-        assert native_ops.loaded() is None
-        assert not any((tmp_path / "native").iterdir())
-    finally:
-        native_ops.load.cache_clear()
+def load_in_a_new_process(tmp_path, **env) -> subprocess.CompletedProcess:
+    """native_ops.load() twice in a process of its own (one loads one library: this one's is loaded), with
+    XDG_CACHE_HOME=tmp_path: prints what it returned and what the cache holds."""
+    code = ("import logging, sys; logging.basicConfig(level=logging.WARNING)\n"
+            "from gpt2 import native_ops\n"
+            "print(native_ops.load(), native_ops.load(), native_ops.loaded())\n"
+            "d = native_ops.native_directory(); print(sorted(p.name for p in d.iterdir()) if d.exists() else None)")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "XDG_CACHE_HOME": str(tmp_path), **env})
 
 
-def test_gpt2_native_ops_0_leaves_the_library_alone(monkeypatch, tmp_path):
-    monkeypatch.setattr(native_ops, "native_directory", lambda: tmp_path / "native")
-    monkeypatch.setenv("GPT2_NATIVE_OPS", "0")
-    monkeypatch.setattr(native_ops, "_loaded", None)
-    native_ops.load.cache_clear()
-    try:
-        assert native_ops.load() is None and not (tmp_path / "native").exists()
-    finally:
-        native_ops.load.cache_clear()
+def test_a_library_that_cannot_be_built_warns_once_and_leaves_the_python_op(tmp_path):
+    """No working compiler: load() returns None with one warning naming why, and nothing is left in the
+    cache (no partial file)."""
+    done = load_in_a_new_process(tmp_path, CXX="false")  # a "compiler" that fails
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["None None None", "[]"], done.stdout
+    warnings = [line for line in done.stderr.splitlines() if "C++ ops are not available" in line]
+    assert len(warnings) == 1 and "false failed" in warnings[0], done.stderr
+
+
+def test_gpt2_native_ops_0_leaves_the_library_alone(tmp_path):
+    done = load_in_a_new_process(tmp_path, GPT2_NATIVE_OPS="0")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["None None None", "None"] and "not available" not in done.stderr

@@ -1,10 +1,12 @@
-// gpt2_native: ops of our own in C++, for compiled graphs (native_ops.py builds and loads this file).
+// gpt2_native: ops of our own in C++ (native_ops.py builds and loads this file).
 //
-// linear_fp16(x, key, out_features): fbgemm's fp16 GEMM, as quantized::linear_dynamic_fp16 computes it, on
-// the packed weight that name_packed(key, packed) named. A compiled graph cannot hold the packed weight (an
-// engine object), so it holds its key; looking it up here keeps the call in C++ (a Python op costs ~20 us a
-// call from a compiled step, and passing the object from Python ~9 us). The registry holds each weight from
-// name_packed to forget_packed, which Python calls when the weight's holder (quantize._Packed) is renamed or
+// linear_dynamic(x, key, out_features, reduce_range): an engine's dynamic linear on the packed weight that
+// name_packed(key, packed) named, as quantized::linear_dynamic (fbgemm's and oneDNN's u8s8 GEMMs) and
+// quantized::linear_dynamic_fp16 (fbgemm's fp16 GEMM) compute it: both call the packed weight's
+// apply_dynamic. A compiled graph cannot hold the packed weight (a TorchScript object), so it holds its
+// key; looking it up here keeps the call in C++ (a Python op costs ~20 us a call from a compiled step, and
+// passing the object from Python ~9 us: its conversion). The registry holds each weight from name_packed
+// to forget_packed, which Python calls when the weight's holder (quantize._Packed) is renamed or
 // collected: not weakly, as a weak reference would keep a dead weight's memory until it was dropped.
 #include <ATen/native/quantized/PackedParams.h>
 #include <torch/library.h>
@@ -37,15 +39,15 @@ void forget_packed(c10::string_view key, Packed packed) {
   if (named.empty()) registry.erase(found);
 }
 
-at::Tensor linear_fp16(const at::Tensor& x, c10::string_view key, int64_t out_features) {
+at::Tensor linear_dynamic(const at::Tensor& x, c10::string_view key, int64_t out_features, bool reduce_range) {
   Packed packed;
   {
     std::lock_guard<std::mutex> guard(registry_lock);
     auto found = registry.find(std::string(key));
     if (found != registry.end()) packed = found->second.front();  // any: they hold the same weights
   }
-  TORCH_CHECK(packed, "no packed fp16 weight named ", key, " is alive in this process");
-  at::Tensor y = packed->apply_dynamic(x, /*reduce_range=*/false);  // (M, N) float32
+  TORCH_CHECK(packed, "no packed weight named ", key, " is alive in this process");
+  at::Tensor y = packed->apply_dynamic(x, reduce_range);  // (M, N) float32
   TORCH_CHECK(y.size(-1) == out_features, "the weight named ", key, " has ", y.size(-1), " outputs, not ",
               out_features);
   return y;
@@ -56,6 +58,6 @@ at::Tensor linear_fp16(const at::Tensor& x, c10::string_view key, int64_t out_fe
 TORCH_LIBRARY(gpt2_native, m) {
   m.def("name_packed(str key, __torch__.torch.classes.quantized.LinearPackedParamsBase packed) -> ()", name_packed);
   m.def("forget_packed(str key, __torch__.torch.classes.quantized.LinearPackedParamsBase packed) -> ()", forget_packed);
-  m.def("linear_fp16(Tensor x, str key, int out_features) -> Tensor");
-  m.impl("linear_fp16", c10::DispatchKey::CPU, TORCH_FN(linear_fp16));
+  m.def("linear_dynamic(Tensor x, str key, int out_features, bool reduce_range) -> Tensor");
+  m.impl("linear_dynamic", c10::DispatchKey::CPU, TORCH_FN(linear_dynamic));
 }

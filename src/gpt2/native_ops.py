@@ -5,20 +5,22 @@
 
     python -c "from gpt2 import native_ops; print(native_ops.load())"     # build it now, or see why not
 
-A compiled decode step (AOTInductor's package, or torch.compile's graph) calls fbgemm's fp16 GEMM, the
-bf16 decode kernel where it reads fastest (quantize.py, "fbgemm fp16"), through an op that names the
-packed weight by a key (quantize._Packed): the packed weight is an engine object that no graph can hold.
-Through a Python custom op each call from the compiled step crosses into Python and back, ~21 us
-against ~2 us for the same op in C++ (49 calls a step for GPT-2 124M: ~0.9 ms of a ~10 ms step;
-BENCHMARKS.md, "fbgemm's fp16 GEMM called from C++"). gpt2_native::linear_fp16(x, key, out_features)
-does it in C++: it looks up the weight gpt2_native::name_packed(key, packed) named and calls what
-quantized::linear_dynamic_fp16 calls. No kernel of our own: fbgemm's, reached without Python.
+The engines' dynamic linears, fbgemm's fp16 GEMM (bf16's decode kernel where it reads fastest:
+quantize.py, "fbgemm fp16") and fbgemm's and oneDNN's u8s8 GEMMs (int8's), hold their weights in
+TorchScript objects. Called from Python, each call converts the object (~9 us of a 12.6 us call on a
+64x64 weight), and a compiled step (AOTInductor's package, or torch.compile's graph), which cannot hold
+the object, went through a Python custom op that looks it up by a key (quantize._Packed): ~21 us a call.
+A 124M step makes 49 such calls against 150-200 us of GEMM each. gpt2_native::linear_dynamic(x, key,
+out_features, reduce_range) does the lookup in C++ and calls the object's apply_dynamic, as
+quantized::linear_dynamic and quantized::linear_dynamic_fp16 do: ~2 us a call from a package, 3.4 us
+from Python, the same numbers bit for bit. No kernel of our own: the engines', without Python between.
+quantize._Packed names each object here for as long as it lives (name_packed, forget_packed).
 
 Built with $CXX (else c++, else g++) against this torch's headers and libraries, into
 $XDG_CACHE_HOME/gpt2/native/ under a name holding the torch version and the source's digest, written
 atomically (two processes building at once each write their own file, and one replaces the other's).
 Where it cannot be built or loaded (no compiler, a torch without these headers), load() warns once and
-returns None, and the graph calls quantize.linear_fp16_op, the same GEMM through Python.
+returns None, and the calls go through Python as before (quantize's custom ops for compiled graphs).
 GPT2_NATIVE_OPS=0 leaves the library alone (the Python op serves).
 """
 
@@ -30,6 +32,7 @@ import logging
 import os
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import torch
@@ -61,29 +64,38 @@ def loaded() -> Path | None:
     return _loaded
 
 
-@functools.cache
+_loading = threading.Lock()  # two threads packing their first weights at once (a model and its draft) build once
+
+
 def load() -> Path | None:
     """Builds (where absent) and loads the library, once per process: its path, or None with one warning."""
+    with _loading:
+        return _load_once()
+
+
+@functools.cache
+def _load_once() -> Path | None:
     global _loaded
     if os.environ.get("GPT2_NATIVE_OPS") == "0":
         return None
     path = library_path()
     try:
-        if not path.exists():
-            _build(path)
-        torch.ops.load_library(str(path))
-        if not torch._C._dispatch_has_kernel_for_dispatch_key("gpt2_native::linear_fp16", "Meta"):
+        if not hasattr(torch.ops.gpt2_native, "linear_dynamic"):  # a second library of one namespace aborts
+            if not path.exists():
+                _build(path)
+            torch.ops.load_library(str(path))
+        if not torch._C._dispatch_has_kernel_for_dispatch_key("gpt2_native::linear_dynamic", "Meta"):
             # its output's shape, for tracing: once a process
-            torch.library.register_fake("gpt2_native::linear_fp16")(_linear_fp16_shape)
+            torch.library.register_fake("gpt2_native::linear_dynamic")(_linear_dynamic_shape)
         _loaded = path
         return path
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        log.warning("gpt2's C++ ops are not available (%s): a compiled step calls fbgemm's fp16 GEMM through "
-                    "Python, ~20 us more a call", str(error).strip().splitlines()[-1] if str(error).strip() else error)
+        log.warning("gpt2's C++ ops are not available (%s): the engines' dynamic linears are called through "
+                    "Python, 10-20 us more a call", str(error).strip().splitlines()[-1] if str(error).strip() else error)
         return None
 
 
-def _linear_fp16_shape(x, key, out_features):
+def _linear_dynamic_shape(x, key, out_features, reduce_range):
     return x.new_empty(x.size(0), out_features)  # (M, N) float32, as x
 
 

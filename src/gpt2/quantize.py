@@ -375,11 +375,26 @@ def _linear_dynamic(x: torch.Tensor, t: dict, packed: str = "packed", unit_range
     packed: the tensors' key of the engine's packed weight (a two-engine format keeps two). unit_range: x
     spans [0, 1] (_int8_dynamic_rows maps every row there), which the engine quantizes with scale 1/255 and
     zero point 0."""
+    if torch.compiler.is_compiling() and unit_range and u8s8_compiles_from_tensors():
+        return _u8s8_from_tensors(x, t)
+    return linear_dynamic(x, t, packed)
+
+
+def linear_dynamic(x: torch.Tensor, t: dict, packed: str = "packed", reduce_range: bool = False,
+                   fp16: bool = False) -> torch.Tensor:
+    """An engine's dynamic linear of x (M, K) float32 on the packed weight t[packed], (M, N) float32: fbgemm's
+    or oneDNN's u8s8 GEMM, or with fp16 fbgemm's fp16 GEMM. Through native_ops' op in C++, which finds the
+    weight by its key, where that was built; else through Python: the engine's own op eagerly, a custom op
+    in a compiled graph (Dynamo cannot trace the packed object; a u8s8 one's reduce_range is False there)."""
+    key = t[f"{packed}_key"]
+    n_out = t["out_features"] if fp16 else t["q"].size(0)
+    if native_ops.loaded():
+        return torch.ops.gpt2_native.linear_dynamic(x, key, n_out, reduce_range)
     if torch.compiler.is_compiling():
-        if unit_range and u8s8_compiles_from_tensors():
-            return _u8s8_from_tensors(x, t)
-        return linear_dynamic_op(x, t[f"{packed}_key"], t["q"].size(0))  # Dynamo cannot trace the packed object
-    return torch.ops.quantized.linear_dynamic(x, t[packed], False)
+        return linear_fp16_op(x, key, n_out) if fp16 else linear_dynamic_op(x, key, n_out)
+    if fp16:
+        return torch.ops.quantized.linear_dynamic_fp16(x, t[packed])
+    return torch.ops.quantized.linear_dynamic(x, t[packed], reduce_range)
 
 
 def _u8s8_from_tensors(x: torch.Tensor, t: dict) -> torch.Tensor:
@@ -415,11 +430,19 @@ def _u8s8_from_tensors_probed() -> bool:
 
 @torch.library.custom_op("gpt2::linear_dynamic", mutates_args=())
 def linear_dynamic_op(x: torch.Tensor, key: str, out_features: int) -> torch.Tensor:
-    """_linear_dynamic as one op of a compiled graph, the packed weight named by its key (_Packed)."""
+    """A u8s8 linear_dynamic as one op of a compiled graph, through Python, the packed weight named by its key
+    (_Packed): where native_ops' gpt2_native::linear_dynamic is not available."""
     return torch.ops.quantized.linear_dynamic(x, _packed_object(key), False)
 
 
+@torch.library.custom_op("gpt2::linear_fp16", mutates_args=())
+def linear_fp16_op(x: torch.Tensor, key: str, out_features: int) -> torch.Tensor:
+    """fbgemm's fp16 linear_dynamic as one op of a compiled graph, likewise."""
+    return torch.ops.quantized.linear_dynamic_fp16(x, _packed_object(key))
+
+
 @linear_dynamic_op.register_fake
+@linear_fp16_op.register_fake
 def _(x, key, out_features):
     return x.new_empty(x.size(0), out_features)
 
@@ -484,7 +507,7 @@ def _int8_split(x, t, bias, activation):
     halves = x.new_empty(2 * rows, x.size(1))  # (2M, K): the high halves, then the low ones
     torch.div(steps, SPLIT_HALF_LEVELS, rounding_mode="floor", out=halves[:rows])
     torch.sub(steps, halves[:rows], alpha=SPLIT_HALF_LEVELS, out=halves[rows:])
-    y = torch.ops.quantized.linear_dynamic(halves, t["packed"], True)  # (2M, N) float32: x to 0..127, exactly
+    y = linear_dynamic(halves, t, reduce_range=True)  # (2M, N) float32: x to 0..127, exactly
     y = torch.add(y[rows:], y[:rows], alpha=SPLIT_HALF_LEVELS).mul_(step).addcmul_(low, t["row_sums"])
     return _act(y if bias is None else y.add_(bias), activation)
 
@@ -675,8 +698,9 @@ class _Packed:
     def __init__(self, obj):
         self.obj = obj
         self.key = ""
-        # named for native_ops' ops in C++ too, for as long as this holder lives: [its key there]
-        self._native_key = [None] if native_ops.loaded() and _is_linear_packed_params(obj) else None
+        # named for native_ops' op in C++ too (built at the first such object), for as long as this holder
+        # lives: [its key there]
+        self._native_key = [None] if _is_linear_packed_params(obj) and native_ops.load() else None
         if self._native_key is not None:
             weakref.finalize(self, _forget_native, self._native_key, obj).atexit = False
         self.rename(f"unnamed {next(_unnamed)}")
@@ -826,7 +850,6 @@ def _pack_fp16(w, bias):
     w16 = w.to(torch.bfloat16).to(torch.float16)
     if not torch.isfinite(w16).all():
         raise ConfigError("a bf16 weight beyond float16's range (65,504): fbgemm's fp16 format cannot hold it")
-    native_ops.load()  # before the first is named (_Packed.rename): _fp16 calls it through the op in C++
     packed = torch.ops.quantized.linear_prepack_fp16(w16.float(), None)
     return {"packed": _Packed(packed), "out_features": _Packed(w.size(0))}
 
@@ -857,25 +880,8 @@ def _fp16(x, t, bias, activation):
     Inductor's own bf16 GEMM (its template or oneDNN's, autotuned) read the weights slower where the plan
     chose fbgemm's: on an AMD EPYC Zen 4, 124M's compiled batch-8 step in 0.59 of the time (BENCHMARKS.md,
     "A new CPU: an AMD EPYC of family 25 model 17")."""
-    if native_ops.loaded():  # the same GEMM through an op in C++: ~2 us a call against ~13 eagerly, ~21 compiled
-        y = torch.ops.gpt2_native.linear_fp16(x.float(), t["packed_key"], t["out_features"])  # (M, N) float32
-    elif torch.compiler.is_compiling():
-        y = linear_fp16_op(x.float(), t["packed_key"], t["out_features"])
-    else:
-        y = torch.ops.quantized.linear_dynamic_fp16(x.float(), t["packed"])
+    y = linear_dynamic(x.float(), t, fp16=True)  # (M, N) float32
     return _act(y if bias is None else y.add_(bias), activation)
-
-
-@torch.library.custom_op("gpt2::linear_fp16", mutates_args=())
-def linear_fp16_op(x: torch.Tensor, key: str, out_features: int) -> torch.Tensor:
-    """fbgemm's fp16 GEMM as one op of a compiled graph, the packed weight named by its key (_Packed); the
-    same as native_ops' gpt2_native::linear_fp16, through Python, where that is not available."""
-    return torch.ops.quantized.linear_dynamic_fp16(x, _packed_object(key))
-
-
-@linear_fp16_op.register_fake
-def _(x, key, out_features):
-    return x.new_empty(x.size(0), out_features)
 
 
 def _int8_reference(w, t, rows=None):
