@@ -1,4 +1,4 @@
-"""Ops of our own in C++ (native_ops.cpp) for compiled graphs, built once per machine and torch.
+"""Ops of our own in C++ (native_ops.cpp), built once per machine and torch: the engines' linears by key.
 
     from gpt2 import native_ops
     native_ops.load()     # the built library's path (built first, ~7 s, where absent); None where it cannot be
@@ -21,7 +21,7 @@ $XDG_CACHE_HOME/gpt2/native/ under a name holding the torch version and the sour
 atomically (two processes building at once each write their own file, and one replaces the other's).
 Where it cannot be built or loaded (no compiler, a torch without these headers), load() warns once and
 returns None, and the calls go through Python as before (quantize's custom ops for compiled graphs).
-GPT2_NATIVE_OPS=0 leaves the library alone (the Python op serves).
+GPT2_NATIVE_OPS=0 leaves the library alone (the Python paths serve).
 """
 
 from __future__ import annotations
@@ -97,7 +97,6 @@ def _load_once() -> Path | None:
 
 def _linear_dynamic_shape(x, key, out_features, reduce_range):
     return x.new_empty(x.size(0), out_features)  # (M, N) float32, as x
-
 
 
 def _build(path: Path) -> None:
