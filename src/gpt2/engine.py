@@ -515,9 +515,11 @@ def package_regimes(rows: int | None) -> tuple[str, ...]:
 
 # An int4 step compiled for a dynamic row count ran slower than one compiled for its rows (GPT-2 124M on an
 # Intel Xeon with AMX, a step at 8 rows 18.6 against 14.4-14.8 ms, at 1 row 5.7-6.3 against 5.2), and so did an
-# int8 one (4.5-5.2 against 3.8-4.6 ms at 1 row, 9.3-9.7 against 7.7-8.4 at 8; BENCHMARKS.md). Such models get
-# one package per row count.
-ROWS_STATIC_PRECISIONS = {"int4", "int8"}
+# int8 one (4.5-5.2 against 3.8-4.6 ms at 1 row, 9.3-9.7 against 7.7-8.4 at 8; BENCHMARKS.md), and a float32 one
+# on an AMD EPYC Zen 4, whose GEMMs are Inductor's (8 rows 30.3 against 20.3 ms a step, 1 row 10.3 against 9.7).
+# Such models get one package per row count. bf16 there, on fbgemm's GEMM by key, measured the same either way
+# (8 rows 16.3 against 16.0 ms): one package serves its 1 to PACKAGE_ROWS rows.
+ROWS_STATIC_PRECISIONS = {"int4", "int8", "float32"}
 _rows_static: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> whether package_rows is static
 
 
