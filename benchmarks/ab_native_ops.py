@@ -20,17 +20,12 @@ The compiled step bakes its op into the package, so it is compared across proces
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import tempfile
-from pathlib import Path
-
-from bench_cpu_inference import export_model, machine_report, time_decode
+from bench_cpu_inference import alternate, in_process_ab_main, time_decode
 
 
 def compare(model_dir: str, precision: str, args) -> None:
     from gpt2 import native_ops
-    from gpt2.quantize import load_for_inference, linear_layers
+    from gpt2.quantize import linear_layers, load_for_inference
 
     model = load_for_inference(model_dir, precision, "cpu")
     library = native_ops.loaded()
@@ -46,38 +41,9 @@ def compare(model_dir: str, precision: str, args) -> None:
         finally:
             native_ops._loaded = library
 
-    for rows in args.rows:
-        ms_per_step(True, rows, 8), ms_per_step(False, rows, 8)  # warm-up: oneDNN's primitives, first touches
-    times = {rows: {"A": [], "B": []} for rows in args.rows}
-    for r in range(args.rounds):
-        order = [("A", True), ("B", False)][:: 1 if r % 2 == 0 else -1]
-        for rows in args.rows:
-            for name, native in order:
-                times[rows][name].append(ms_per_step(native, rows, args.steps))
-        print(f"  round {r + 1}: " + "   ".join(
-            f"{rows} rows A {t['A'][-1]:.2f} B {t['B'][-1]:.2f} ms" for rows, t in times.items()), flush=True)
-    for rows, t in times.items():
-        ratios = [y / x for x, y in zip(t["A"], t["B"])]
-        print(f"{precision}, {rows} rows: A (C++) {statistics.median(t['A']):.2f} ms a step, B (Python) "
-              f"{statistics.median(t['B']):.2f}; B / A by round: median {statistics.median(ratios):.3f}, "
-              f"B slower in {sum(ratio > 1 for ratio in ratios)} of {len(ratios)} rounds", flush=True)
-
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--precisions", nargs="+", default=["bfloat16", "int8"],
-                    choices=["float32", "bfloat16", "int8", "int4"])
-    ap.add_argument("--rows", nargs="+", type=int, default=[1])
-    ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--model", dest="model_dir", help="an HF directory (default: random GPT-2 124M weights)")
-    args = ap.parse_args()
-    machine_report()
-    with tempfile.TemporaryDirectory() as work:
-        model_dir = args.model_dir or str(export_model(None, "gpt2", Path(work) / "hf"))
-        for precision in args.precisions:
-            compare(model_dir, precision, args)
+    alternate(precision, lambda rows, steps: ms_per_step(True, rows, steps),
+              lambda rows, steps: ms_per_step(False, rows, steps), args, ("C++", "Python"))
 
 
 if __name__ == "__main__":
-    main()
+    in_process_ab_main(__doc__, compare, ["bfloat16", "int8"])

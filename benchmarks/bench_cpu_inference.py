@@ -93,6 +93,46 @@ def time_decode(model, rows: int, steps: int, compile: bool, prompt_length: int 
     return time.perf_counter() - start
 
 
+
+def alternate(label: str, a_ms, b_ms, args, names: tuple[str, str] = ("A", "B")) -> None:
+    """An A/B in one process (ab_huge_pages.py, ab_native_ops.py): a_ms(rows, steps) and b_ms(rows, steps), ms
+    a step, timed back to back for args.rounds rounds at each of args.rows, the order swapped every round.
+    Prints each round, then per row count the medians and the median of the round-by-round ratios B / A."""
+    for rows in args.rows:
+        a_ms(rows, 8), b_ms(rows, 8)  # warm-up: packages, oneDNN's primitives, first-touch pages
+    times = {rows: {"A": [], "B": []} for rows in args.rows}
+    for r in range(args.rounds):
+        order = [("A", a_ms), ("B", b_ms)][:: 1 if r % 2 == 0 else -1]
+        for rows in args.rows:
+            for name, ms in order:
+                times[rows][name].append(ms(rows, args.steps))
+        print(f"  round {r + 1}: " + "   ".join(
+            f"{rows} rows A {t['A'][-1]:.2f} B {t['B'][-1]:.2f} ms" for rows, t in times.items()), flush=True)
+    for rows, t in times.items():
+        ratios = [y / x for x, y in zip(t["A"], t["B"])]
+        print(f"{label}, {rows} rows: A ({names[0]}) {statistics.median(t['A']):.2f} ms a step, B ({names[1]}) "
+              f"{statistics.median(t['B']):.2f}; B / A by round: median {statistics.median(ratios):.3f}, B faster in "
+              f"{sum(x < 1 for x in ratios)} and slower in {sum(x > 1 for x in ratios)} of {len(ratios)} rounds",
+              flush=True)
+
+
+def in_process_ab_main(doc: str, compare, default_precisions: list[str], more_arguments=lambda ap: None) -> None:
+    """The command line of an in-process A/B: --precisions, --rows, --rounds, --steps, --model (random GPT-2
+    124M weights when absent) and more_arguments' own; then compare(model_dir, precision, args) for each."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--precisions", nargs="+", default=default_precisions, choices=list(OURS))
+    ap.add_argument("--rows", nargs="+", type=int, default=[1])
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--model", dest="model_dir", help="an HF directory (default: random GPT-2 124M weights)")
+    more_arguments(ap)
+    args = ap.parse_args()
+    machine_report()
+    with tempfile.TemporaryDirectory() as work:
+        model_dir = args.model_dir or str(export_model(None, "gpt2", Path(work) / "hf"))
+        for precision in args.precisions:
+            compare(model_dir, precision, args)
+
 # ---------------------------------------------------------------------------------------------
 # workers: one contender in one process, printing one JSON line
 # ---------------------------------------------------------------------------------------------
