@@ -537,7 +537,9 @@ def package_path(model, inputs) -> Path:
                  # the paths each layer's graph computes with: a format's paths share its tensors
                  "paths": [layer.path_names for layer in model.modules() if isinstance(layer, FastLinear)],
                  "lm_head": "outside" if lm_head_outside(model) else "inside",
-                 "native ops": native_ops.loaded() and native_ops.loaded().name,  # which ops its graph calls
+                 # the op in C++ its graph calls, where its layers hold engine objects (a float32 graph calls none)
+                 "native ops": native_ops.loaded() and any(map(_holds_an_engine_object, _packed_layers(model)))
+                 and native_ops.loaded().name,
                  "options": {**compile_options(model, "cpu", package_regimes(package_rows(model, ids.size(0)))),
                              **PACKAGE_OPTIONS}, "layers": len(k),
                  "rows": package_rows(model, ids.size(0)),
