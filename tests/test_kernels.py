@@ -2008,6 +2008,16 @@ def test_auto_kv_dtype_is_bf16_only_where_lossless_and_measured_no_slower(monkey
     costs["bfloat16"] = 11.0  # a CPU whose bf16 attention is slower: measured afresh, float32 kept
     monkeypatch.setattr(kernels, "default_cache_path", lambda: tmp_path / "another machine" / "kernels.json")
     assert kernels.kv_cache_dtype(int4)[0] == torch.float32 and len(calls) == 2
+    # a compiled step's attention is timed apart (its own measurement and cache entry): the Zen 4's case,
+    # eager bf16 SDPA slower and a compiled step's attention over a bf16 cache faster
+    compiled_calls = []
+    monkeypatch.setattr(kernels, "measure_compiled_kv_dtypes",
+                        lambda *shape: compiled_calls.append(shape) or {"float32": 10.0, "bfloat16": 6.0})
+    dtype, why = kernels.kv_cache_dtype(int4, compiled=True)
+    assert dtype == torch.bfloat16 and why.startswith("measured: compiled") and compiled_calls == [(4, 16)]
+    assert kernels.kv_cache_dtype(int4, compiled=True)[0] == torch.bfloat16 and len(compiled_calls) == 1
+    assert kernels.kv_cache_dtype(int4)[0] == torch.float32 and len(calls) == 2  # the eager entry unchanged
+    assert kernels.kv_cache_dtype(model, compiled=True)[0] == torch.float32 and len(compiled_calls) == 1
 
 
 def test_info_kernels_shows_the_kv_dtype_load_for_inference_takes(tmp_path, monkeypatch, capsys):
@@ -2017,28 +2027,91 @@ def test_info_kernels_shows_the_kv_dtype_load_for_inference_takes(tmp_path, monk
 
     from conftest import save_hf_model
     from gpt2.cli import main
+    from gpt2.kv_cache import cache_dtype
     from gpt2.quantize import load_for_inference
     save_hf_model(tmp_path / "m", n_embd=64, n_head=4)  # int4 groups of 32 along n_embd
     precisions = ["int4", "bfloat16", "float32", "int8"]
     for costs in ({"float32": 2.0, "bfloat16": 1.0}, {"float32": 1.0, "bfloat16": 2.0}):  # bf16 faster, slower
         monkeypatch.setattr(kernels, "default_cache_path", lambda: tmp_path / str(costs) / "kernels.json")
         monkeypatch.setattr(kernels, "measure_kv_dtypes", lambda *shape: dict(costs))
+        # a compiled step's attention the other way round (an AMD EPYC Zen 4's case)
+        monkeypatch.setattr(kernels, "measure_compiled_kv_dtypes",
+                            lambda *shape: {"float32": costs["bfloat16"], "bfloat16": costs["float32"]})
         assert main(["info", str(tmp_path / "m"), "--kernels", "--json"]
                     + [a for p in precisions for a in ("--kernels-dtype", p)]) == 0
         shown = json.loads(capsys.readouterr().out)["kernels"]
         assert main(["info", str(tmp_path / "m"), "--kernels", "--kernels-dtype", "int4"]) == 0
-        line = next(x for x in capsys.readouterr().out.splitlines() if "KV cache" in x)
+        lines = [x for x in capsys.readouterr().out.splitlines() if "KV cache" in x]
         for precision in precisions:
-            taken = str(load_for_inference(tmp_path / "m", precision, "cpu").kv_dtype).removeprefix("torch.")
-            assert shown[precision]["kv_cache"]["dtype"] == taken, (precision, costs)
-        assert shown["int4"]["kv_cache"]["dtype"] in line
+            model = load_for_inference(tmp_path / "m", precision, "cpu")
+            assert shown[precision]["kv_cache"]["dtype"] == str(model.kv_dtype).removeprefix("torch."), precision
+            compiled = str(cache_dtype(model, compiled=True)).removeprefix("torch.")  # as a compiled step allocates
+            assert shown[precision]["kv_cache_compiled"]["dtype"] == compiled, (precision, costs)
+        assert len(lines) == 2 and shown["int4"]["kv_cache"]["dtype"] in lines[0] and "compiled" not in lines[0]
+        assert "compiled" in lines[1] and shown["int4"]["kv_cache_compiled"]["dtype"] in lines[1]
+        assert shown["int4"]["kv_cache_compiled"]["dtype"] != shown["int4"]["kv_cache"]["dtype"]
         assert shown["int4"]["kv_cache"]["dtype"] == ("bfloat16" if costs["bfloat16"] < costs["float32"] else "float32")
         assert shown["float32"]["kv_cache"]["dtype"] == "float32"
+
+
+def test_a_compiled_step_reads_a_cache_of_the_dtype_timed_for_it(tmp_path, monkeypatch):
+    """kv_dtype="auto" times a compiled step's attention apart from the eager step's. Where they disagree (an
+    AMD EPYC Zen 4: eager bf16 SDPA slower, a compiled step's loops faster over bf16), an eager stream's
+    cache is float32 and a compiled one's bf16, in generate and in the server's scheduler, and compiled
+    generation still equals the naive forward (up to ties: the keys are bf16 numbers either way)."""
+    from conftest import save_hf_model
+    from gpt2.batching import Scheduler
+    from gpt2.quantize import load_for_inference
+    save_hf_model(tmp_path / "m", n_embd=64, n_head=4, vocab_size=300)  # int4 groups of 32 along n_embd; PROMPTS' ids
+    monkeypatch.setattr(kernels, "measure_kv_dtypes", lambda *shape: {"float32": 1.0, "bfloat16": 2.0})
+    compiled_calls = []
+    monkeypatch.setattr(kernels, "measure_compiled_kv_dtypes",
+                        lambda *shape: compiled_calls.append(shape) or {"float32": 2.0, "bfloat16": 1.0})
+    monkeypatch.setattr(engine, "PACKAGE_DECODE_STEPS", False)  # torch.compile's graph: the same cache, built faster
+    model = load_for_inference(tmp_path / "m", "int4", "cpu")
+    assert model.kv_dtype == torch.float32 and compiled_calls == []  # timed when a compiled step needs a cache
+    allocated = []
+    for_model = KVCache.for_model.__func__
+    monkeypatch.setattr(KVCache, "for_model", classmethod(
+        lambda cls, *args, **kw: allocated.append(for_model(cls, *args, **kw)) or allocated[-1]))
+    eager = generate(model, PROMPTS, max_new_tokens=8)
+    compiled = generate(model, PROMPTS, max_new_tokens=8, compile=True)
+    assert [cache.k[0].dtype for cache in allocated] == [torch.float32, torch.bfloat16]
+    assert compiled_calls == [(4, 16)] and model.compiled_kv_dtype == torch.bfloat16
+    assert_equal_up_to_ties(model, compiled, generate_naive(model, PROMPTS, max_new_tokens=8))
+    assert_equal_up_to_ties(model, eager, generate_naive(model, PROMPTS, max_new_tokens=8))
+    assert Scheduler(model, compile=True).kv.dtype == torch.bfloat16 and Scheduler(model).kv.dtype == torch.float32
+    asked = load_for_inference(tmp_path / "m", "int4", "cpu", kv_dtype="float32")  # as asked, compiled or not
+    assert KVCache.for_model(asked, 1, 4, compiled=True).k[0].dtype == torch.float32 and len(compiled_calls) == 1
 
 
 def test_measuring_kv_dtypes_times_both_caches():
     costs = kernels.measure_kv_dtypes(4, 16)
     assert set(costs) == {"float32", "bfloat16"} and all(0 < us < 1e5 for us in costs.values())
+
+
+def test_measuring_a_compiled_steps_kv_dtypes_compiles_its_attention():
+    """The compiled measurement times a compiled decode step's attention: the model's own explicit attention
+    under torch.compile, the float32 query over the cache upcast as it is read. It equals SDPA over the
+    float32 keys."""
+    import torch.nn.functional as F
+    from gpt2.model import CausalSelfAttention, GPTConfig
+    attention = CausalSelfAttention(GPTConfig(n_layer=1, n_head=4, n_embd=64), 0).eval()
+    attend = kernels.compiled_one_query_attention()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 4, 1, 16, generator=g)
+    k, v = (torch.randn(3, 4, 40, 16, generator=g).bfloat16() for _ in range(2))
+    mask = torch.ones(3, 1, 1, 40, dtype=torch.bool)
+    mask[0, ..., :7] = False  # left padding
+    with torch.inference_mode():
+        expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+        torch.testing.assert_close(attend(attention, q, k, v, mask).double(), expected, rtol=1e-5, atol=1e-6)
+    costs = kernels.measure_compiled_kv_dtypes(4, 16)
+    assert set(costs) == {"float32", "bfloat16"} and all(0 < us < 1e5 for us in costs.values())
+    # 4 graphs a measurement, each in code of its own: Dynamo allows one code object 8
+    codes = [kernels.compiled_one_query_attention()._torchdynamo_orig_callable.__code__ for _ in range(3)]
+    assert len({id(code) for code in codes}) == 3  # distinct objects (equal code compares equal)
+
 
 
 def test_load_for_inference_takes_auto_float32_or_bfloat16_kv(tmp_path, monkeypatch):

@@ -238,7 +238,7 @@ class Scheduler:
         self.idle_shrink_s = idle_shrink_s
         self.n_positions = model.config.n_positions
         self.device = model.transformer.wte.weight.device
-        self.kv = BatchKV.for_model(model, max_batch, initial_capacity)
+        self.kv = BatchKV.for_model(model, max_batch, initial_capacity, compiled=compile)
         self.kv_limit_bytes = None if max_kv_mb is None else int(max_kv_mb * (1 << 20))
         position_bytes = self.kv.bytes_per_position
         self.prefix = None
@@ -453,11 +453,11 @@ class Scheduler:
         """Build the compiled step's graphs before any request needs them, on this thread, as the loop
         starts (requests arriving meanwhile wait in the queue): one per row count _compiled_step uses
         (1, 2, 4, ... and max_batch), each a step of that many one-token rows in a storage of its own."""
-        one_token = KVCache.for_model(self.model, 1, 2)
+        one_token = KVCache.for_model(self.model, 1, 2, compiled=True)
         self.model(torch.zeros(1, 1, dtype=torch.long, device=self.device), cache=one_token)
         for rows in compiled_row_counts(self.max_batch):
             start = time.perf_counter()
-            kv = BatchKV.for_model(self.model, rows, initial_capacity=8)
+            kv = BatchKV.for_model(self.model, rows, initial_capacity=8, compiled=True)
             for _ in range(rows):
                 kv.insert(one_token)
             kv.decode_mask()
@@ -556,7 +556,7 @@ class Scheduler:
     def _start_prefill(self, p: Prefill) -> None:
         """The prompt's own cache; the keys and values of a cached prefix copied in (not with echo: every
         position's logits are wanted then)."""
-        p.cache = KVCache.for_model(self.model, 1, len(p.prompt))
+        p.cache = KVCache.for_model(self.model, 1, len(p.prompt), compiled=self.compile)  # joins self.kv
         if self.prefix is None or p.echo:
             return
         source, n = self.prefix.longest_prefix(p.prompt)

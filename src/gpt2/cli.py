@@ -52,8 +52,10 @@ def cmd_info(args):
     if args.kernels:
         info["kernels"] = _kernel_plans(info["config"], args.kernels_dtype or ["float32", "bfloat16", "int8", "int4"])
     if args.json:
-        def plan_dict(plan, kv) -> dict:
-            return {**plan.choices_dict(), "kv_cache": {"dtype": str(kv[0]).removeprefix("torch."), "why": kv[1]}}
+        def plan_dict(plan, kv, compiled_kv) -> dict:
+            return {**plan.choices_dict(), **{name: {"dtype": str(dtype).removeprefix("torch."), "why": why}
+                                              for name, (dtype, why) in [("kv_cache", kv),
+                                                                         ("kv_cache_compiled", compiled_kv)]}}
         print(json.dumps({k: v if k != "kernels" else {p: plan_dict(*plan_kv) for p, plan_kv in v.items()}
                           for k, v in info.items()}))
         return
@@ -65,14 +67,16 @@ def cmd_info(args):
     print("config:")
     for key, value in info["config"].items():
         print(f"  {key:34s} {value}")
-    for plan, (kv_dtype, why) in info.get("kernels", {}).values():
+    for plan, (kv_dtype, why), (compiled_kv_dtype, compiled_why) in info.get("kernels", {}).values():
         print(plan.describe())
         print(f"  KV cache (--kv-dtype auto): {str(kv_dtype).removeprefix('torch.')} ({why})")
+        print(f"  KV cache of a compiled step (--compile): {str(compiled_kv_dtype).removeprefix('torch.')} "
+              f"({compiled_why})")
 
 
 def _kernel_plans(config: dict, precisions: list[str]) -> dict:
-    """precision -> (kernels.Plan, (KV cache dtype, why)) for a model of this config, as load_for_inference
-    would choose them on this CPU (the model is built on the meta device: shapes only)."""
+    """precision -> (kernels.Plan, (KV cache dtype, why), (a compiled step's, why)) for a model of this config,
+    as load_for_inference would choose them on this CPU (the model is built on the meta device: shapes only)."""
     import torch
 
     from gpt2.config import GPTConfig
@@ -83,7 +87,8 @@ def _kernel_plans(config: dict, precisions: list[str]) -> dict:
     with torch.device("meta"):
         model = GPT(gpt_config)
     plans = {p: plan_for(model, p, device_type="cpu") for p in precisions}
-    return {p: (plan, kv_dtype_for(plan_keys_are_bf16(plan, gpt_config), gpt_config)) for p, plan in plans.items()}
+    return {p: (plan, *(kv_dtype_for(plan_keys_are_bf16(plan, gpt_config), gpt_config, compiled)
+                        for compiled in (False, True))) for p, plan in plans.items()}
 
 
 def add_convert_parser(sub):
@@ -400,6 +405,10 @@ def cmd_generate(args):
     model = load_for_inference(args.model, dtype=args.dtype, device=args.device, verbose=args.verbose,
                                kv_dtype=args.kv_dtype)
     require_gpt2_vocab(model.config, args.model)
+    if args.verbose and args.compile:
+        from gpt2.kernels import kv_cache_dtype
+        dtype, why = kv_cache_dtype(model, compiled=True) if args.kv_dtype == "auto" else (args.kv_dtype, "as asked")
+        print(f"KV cache of the compiled step: {str(dtype).removeprefix('torch.')} ({why})", flush=True)
     draft = None if args.draft is None else load_draft(args.draft, args.model, args.draft_dtype or args.dtype,
                                                        device=args.device, verbose=args.verbose,
                                                        kv_dtype=args.kv_dtype)

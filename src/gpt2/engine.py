@@ -199,7 +199,7 @@ class Stream:
         with torch.inference_mode():
             # Everything the loop needs is allocated here, once: cache, mask, sampler state.
             idx, mask = left_pad(rows, P + N, device)  # mask (B, P + N); decode steps are never padding
-            cache = KVCache.for_model(model, B, capacity)
+            cache = KVCache.for_model(model, B, capacity, compiled=cfg.compile)
             state = SamplingState(rows, cfg.sampling, model.config.vocab_size, device)
             generators = None if cfg.sampling.greedy else make_generators(cfg.seed, B, device)
             stops = stop_ids_for(model, cfg)
@@ -1061,7 +1061,7 @@ class Speculation:
         # A compiled draft step keeps a slot to spare in its cache, as _run's does.
         draft_capacity = P + N - 1 + int(cfg.compile)
         spec = cls(target, draft, seq, P, P, KVCache.for_model(target, B, P + N - 1),
-                   KVCache.for_model(draft, B, draft_capacity), state, cfg.sampling,
+                   KVCache.for_model(draft, B, draft_capacity, compiled=cfg.compile), state, cfg.sampling,
                    DraftLength(cfg.draft_tokens, cfg.adaptive_draft,
                                draft_costs(target, draft, cfg.compile) if cfg.adaptive_draft else None),
                    None if cfg.sampling.greedy else make_generators(cfg.seed, B, device),
@@ -1222,6 +1222,7 @@ def quantized_copy(model, precision: str):
         copy = GPT(model.config, vocab_multiple=model.padded_vocab_size)  # the same padded rows
     copy.load_state_dict(state, strict=True, assign=True)
     copy.kv_dtype = getattr(model, "kv_dtype", None)  # a self-draft's caches as the target's
+    copy.compiled_kv_dtype = getattr(model, "compiled_kv_dtype", None)
     del state  # the packed copies replace them one linear at a time
     return apply_plan(copy, plan_for(copy, precision))
 

@@ -47,7 +47,9 @@ readers are the layers' own kernels on their own copies, and every block layer k
 paths that copies alone had chosen.
 
 The KV cache's dtype is chosen here too (kv_cache_dtype, for load_for_inference's kv_dtype="auto"): bf16
-where the keys are bf16 numbers already and one-query attention over a bf16 cache measures no slower.
+where the keys are bf16 numbers already and one-query attention over a bf16 cache measures no slower;
+timed apart for the eager step (PyTorch's SDPA) and for a compiled one (Inductor's own loops, which
+upcast as they read), whose choices differ on an AMD EPYC Zen 4.
 
 Results are cached per CPU model and features, torch version, thread count, the ISA limits set in the
 environment (ISA_VARIABLES: ONEDNN_MAX_CPU_ISA=AVX2 is another machine) and candidate list, in
@@ -65,6 +67,7 @@ import math
 import os
 import platform
 import time
+import types
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -1076,35 +1079,37 @@ KV_POSITIONS = 256  # the keys one query attends to when the cache's dtype is ti
 KV_ROWS = (1, 8)    # decode and batched decode
 
 
-def kv_cache_dtype(model) -> tuple[torch.dtype, str]:
+def kv_cache_dtype(model, compiled: bool = False) -> tuple[torch.dtype, str]:
     """(the KV caches' dtype for this inference model, why): bf16 where it rounds nothing and its
-    attention is no slower here, else float32.
+    attention is no slower here, else float32. compiled: for the caches a compiled decode step reads.
 
     Where every c_attn returns bf16 (quantize.keys_are_bf16: bfloat16, int8 and int4 plans), a bf16 cache holds
     the very keys and values a float32 one would, in half the bytes. Whether attending over it is faster
-    depends on the CPU: PyTorch's eager bf16 SDPA (one query, 8 x 256 keys) runs 2x faster than its
-    float32 one on an Intel Xeon with AMX, and per token 14% slower on an AMD EPYC Zen 4 (BENCHMARKS.md),
-    so it is timed once per machine (attention.json beside the kernel cache)."""
+    depends on the CPU and on the step: PyTorch's eager bf16 SDPA (one query, 8 x 256 keys) runs 2x faster
+    than its float32 one on an Intel Xeon with AMX, and per token 2.5x slower on an AMD EPYC Zen 4, where a
+    compiled step's attention over a bf16 cache is 1.7x faster than over a float32 one (BENCHMARKS.md). So
+    each is timed once per machine (attention.json beside the kernel cache)."""
     from gpt2.quantize import keys_are_bf16
     if model.transformer.wte.weight.device.type != "cpu":
         return torch.float32, "measured on CPUs only"
-    return kv_dtype_for(keys_are_bf16(model), model.config)
+    return kv_dtype_for(keys_are_bf16(model), model.config, compiled)
 
 
-def kv_dtype_for(keys_bf16: bool, config) -> tuple[torch.dtype, str]:
+def kv_dtype_for(keys_bf16: bool, config, compiled: bool = False) -> tuple[torch.dtype, str]:
     """kv_cache_dtype's choice on this CPU, given whether the c_attn's keys are bf16 numbers (for a model,
     quantize.keys_are_bf16; for a plan alone, quantize.plan_keys_are_bf16)."""
     if not keys_bf16:
         return torch.float32, "c_attn returns float32: a bf16 cache would round the keys and values"
-    key = {"kind": "one-query attention", "n_head": config.n_head, "head_size": config.head_size,
+    kind = "one-query attention, compiled" if compiled else "one-query attention"
+    measure = measure_compiled_kv_dtypes if compiled else measure_kv_dtypes
+    key = {"kind": kind, "n_head": config.n_head, "head_size": config.head_size,
            "positions": KV_POSITIONS, "rows": list(KV_ROWS)}
-    result, source = cached_measurement("attention", key,
-                                        lambda: measure_kv_dtypes(config.n_head, config.head_size),
+    result, source = cached_measurement("attention", key, lambda: measure(config.n_head, config.head_size),
                                         validate=lambda entry: {d: float(entry[d]) for d in KV_DTYPES})
     faster = result["bfloat16"] <= result["float32"]  # a tie goes to half the memory
     return (torch.bfloat16 if faster else torch.float32,
-            f"{source}: attention over a bf16 cache {result['bfloat16']:.1f} us a token, "
-            f"float32 {result['float32']:.1f}; the keys are bf16 numbers either way")
+            f"{source}: {'compiled ' if compiled else ''}attention over a bf16 cache {result['bfloat16']:.1f} us "
+            f"a token, float32 {result['float32']:.1f}; the keys are bf16 numbers either way")
 
 
 def measure_kv_dtypes(n_head: int, head_size: int) -> dict[str, float]:
@@ -1112,6 +1117,38 @@ def measure_kv_dtypes(n_head: int, head_size: int) -> dict[str, float]:
     keys, at 1 row plus at 8 rows (per row), for a float32 and a bf16 cache. The caches are copies spanning
     twice the cache this process gets (effective_cache_bytes): a decode step reads them from memory."""
     import torch.nn.functional as F
+    return _time_one_query_attention(n_head, head_size, lambda q, k, v: F.scaled_dot_product_attention(q, k, v))
+
+
+def measure_compiled_kv_dtypes(n_head: int, head_size: int) -> dict[str, float]:
+    """measure_kv_dtypes for a compiled decode step: its attention as the step runs it (the model's explicit
+    attention under torch.compile, the float32 query over keys and values upcast as they are read, every
+    key attended), one graph per cache dtype and row count (~2-5 s to compile them all)."""
+    from gpt2.model import CausalSelfAttention, GPTConfig
+    attention = CausalSelfAttention(GPTConfig(n_layer=1, n_head=n_head, n_embd=n_head * head_size), 0).eval()
+    attend = compiled_one_query_attention()
+    masks = {rows: torch.ones(rows, 1, 1, KV_POSITIONS, dtype=torch.bool) for rows in KV_ROWS}  # the keys attended
+    return _time_one_query_attention(n_head, head_size, lambda q, k, v: attend(attention, q, k, v, masks[q.size(0)]),
+                                     query_dtype=torch.float32)
+
+
+def _one_query_attention(attention, q, k, v, mask):
+    """A compiled decode step's attention (model.CausalSelfAttention under torch.compile): q (B, nh, 1, hs),
+    k and v (B, nh, S, hs) in the cache's dtype, upcast to q's as they are read; mask (B, 1, 1, S)."""
+    return attention._explicit_attention(q, k.to(q.dtype), v.to(q.dtype), mask)
+
+
+def compiled_one_query_attention():
+    """_one_query_attention under torch.compile, a copy of its code of its own: Dynamo counts the graphs of one
+    code object (8 at most), and each measurement compiles 4 (2 dtypes x 2 row counts)."""
+    code = _one_query_attention.__code__.replace()
+    return torch.compile(types.FunctionType(code, _one_query_attention.__globals__, code.co_name),
+                         fullgraph=True, dynamic=False)
+
+
+def _time_one_query_attention(n_head: int, head_size: int, attend_one, query_dtype=None) -> dict[str, float]:
+    """measure_kv_dtypes' timing: attend_one(q, k, v) over cold copies of a float32 and a bf16 cache, the
+    query in query_dtype (None: the cache's)."""
     g = torch.Generator().manual_seed(0)
     cost = {}
     for name, dtype in KV_DTYPES.items():  # "float32", "bfloat16"
@@ -1122,12 +1159,13 @@ def measure_kv_dtypes(n_head: int, head_size: int) -> dict[str, float]:
             k, v = torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
             # clones (a copy's values do not change its time): drawing 128 MiB of normals costs ~0.1 s
             copies = [(k.clone(), v.clone()) for _ in range(max(2, 2 * effective_cache_bytes() // nbytes))]
-            q = torch.randn(rows, n_head, 1, head_size, generator=g).to(dtype)
+            q = torch.randn(rows, n_head, 1, head_size, generator=g).to(query_dtype or dtype)
 
             def attend():
                 for k, v in copies:
-                    F.scaled_dot_product_attention(q, k, v)
-            attend()  # warm-up: first calls pay for allocations
-            seconds = min(_timed(attend) for _ in range(REPEATS)) / len(copies)
+                    attend_one(q, k, v)
+            with torch.inference_mode():
+                attend()  # warm-up: first calls pay for allocations (and a compiled one, its compile)
+                seconds = min(_timed(attend) for _ in range(REPEATS)) / len(copies)
             cost[name] += 1e6 * seconds / rows
     return cost

@@ -27,10 +27,19 @@ import torch
 from gpt2.errors import ContextLengthError, KVLimitExceeded
 
 
-def cache_dtype(model) -> torch.dtype:
+def cache_dtype(model, compiled: bool = False) -> torch.dtype:
     """The dtype of model's KV caches: GPT.kv_dtype (load_for_inference's kv_dtype), else its activations':
     wpe's dtype (wte's is no guide: a model packed below float32 looks tokens up in a bf16 table,
-    quantize.embedding_to_bf16, and computes in float32)."""
+    quantize.embedding_to_bf16, and computes in float32).
+
+    compiled: of the caches a compiled decode step reads (engine.StaticDecode), GPT.compiled_kv_dtype where
+    set. Its attention is Inductor's own loops, not the eager step's SDPA, so kv_dtype="auto" times it apart
+    (kernels.kv_cache_dtype), here, the first time a compiled step needs a cache."""
+    if compiled and getattr(model, "compiled_kv_dtype", None) == "auto":
+        from gpt2.kernels import kv_cache_dtype
+        model.compiled_kv_dtype = kv_cache_dtype(model, compiled=True)[0]
+    if compiled and getattr(model, "compiled_kv_dtype", None) is not None:
+        return model.compiled_kv_dtype
     return getattr(model, "kv_dtype", None) or model.transformer.wpe.weight.dtype
 
 
@@ -47,14 +56,16 @@ class KVCache:
         self.pos = 0  # number of positions already written, for every row
 
     @classmethod
-    def for_model(cls, model, batch_size: int, capacity: int | None = None, dtype=None) -> "KVCache":
+    def for_model(cls, model, batch_size: int, capacity: int | None = None, dtype=None,
+                  compiled: bool = False) -> "KVCache":
+        """compiled: a cache a compiled decode step will read (cache_dtype)."""
         config = model.config
         capacity = capacity or config.n_positions
         if capacity > config.n_positions:
             raise ContextLengthError(f"cache capacity {capacity} exceeds the context length {config.n_positions}")
         weight = model.transformer.wte.weight
         return cls(config.n_layer, batch_size, config.n_head, capacity, config.head_size,
-                   device=weight.device, dtype=dtype or cache_dtype(model))
+                   device=weight.device, dtype=dtype or cache_dtype(model, compiled))
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (B, nh, T, hs) at [pos, pos+T); return all keys and values so far (B, nh, pos+T, hs)."""
@@ -114,11 +125,12 @@ class BatchKV:
         self.shifts = self.compactions = 0  # rows moved right for a long prompt / left to free columns
 
     @classmethod
-    def for_model(cls, model, max_batch: int, initial_capacity: int = 128) -> "BatchKV":
+    def for_model(cls, model, max_batch: int, initial_capacity: int = 128, compiled: bool = False) -> "BatchKV":
+        """compiled: a storage a compiled decode step will read (cache_dtype)."""
         config = model.config
         weight = model.transformer.wte.weight
         return cls(config.n_layer, max_batch, config.n_head, config.head_size, config.n_positions,
-                   initial_capacity, device=weight.device, dtype=cache_dtype(model))
+                   initial_capacity, device=weight.device, dtype=cache_dtype(model, compiled))
 
     @property
     def capacity(self) -> int:

@@ -166,6 +166,9 @@ class GPT(nn.Module):
         self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
         self.lm_head_plan: HeadPlan | None = None  # the training loss's kernel plan (train.py sets a measured one)
         self.kv_dtype: torch.dtype | None = None  # its KV caches' dtype (kv_cache.py); None: the weights'
+        # the dtype of the caches a compiled decode step reads: None as kv_dtype; "auto" chosen when one first
+        # needs it (kv_cache.cache_dtype: the choice compiles and times its attention once per machine)
+        self.compiled_kv_dtype: torch.dtype | str | None = None
         if not self.lm_head.weight.is_meta:  # a shell on the meta device (to be loaded into) has no values to set
             self.apply(self._init_weights)
 

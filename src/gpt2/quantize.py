@@ -1567,7 +1567,8 @@ def load_for_inference(name_or_path, dtype: str = "float32", device=None, verbos
 
     kv_dtype, its KV caches' dtype (GPT.kv_dtype): "auto" keeps them in bf16 where that rounds nothing
     (keys_are_bf16: bfloat16, int8 and int4) and attention over them measures no slower on this machine
-    (kernels.kv_cache_dtype), else float32. "bfloat16" always (as llama.cpp keeps f16 ones: half their
+    (kernels.kv_cache_dtype), else float32; for a compiled step's caches (GPT.compiled_kv_dtype) its own
+    attention is timed, when one first needs a cache. "bfloat16" always (as llama.cpp keeps f16 ones: half their
     memory; at float32 the keys and values are rounded, so logits move by about bf16's rounding);
     "float32" never."""
     from gpt2.kernels import kv_cache_dtype, plan_for
@@ -1602,8 +1603,10 @@ def load_for_inference(name_or_path, dtype: str = "float32", device=None, verbos
         prune_int4_cache(used_since=started)  # this model's entries stay
     if kv_dtype == "auto":
         model.kv_dtype, why = kv_cache_dtype(model)
+        model.compiled_kv_dtype = "auto"  # chosen when a compiled step first needs a cache (kv_cache.cache_dtype)
     else:
-        model.kv_dtype, why = KV_DTYPES[kv_dtype], "as asked"
+        model.kv_dtype = model.compiled_kv_dtype = KV_DTYPES[kv_dtype]
+        why = "as asked"
     if verbose:
         print(plan.describe(), flush=True)
         print(f"KV cache: {str(model.kv_dtype).removeprefix('torch.')} ({why})", flush=True)
