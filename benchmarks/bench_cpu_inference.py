@@ -147,7 +147,7 @@ def worker_ours(args) -> dict:
         torch.cpu._is_amx_fp16_supported = lambda: False
     if args.small_pages:
         os.environ["GPT2_HUGE_PAGES"] = "0"
-    from gpt2.kv_cache import KVCache
+    from gpt2.kv_cache import KVCache, cache_dtype
     from gpt2.quantize import load_for_inference
     model = load_for_inference(args.model_dir, args.precision, "cpu", kv_dtype=args.kv_dtype)
 
@@ -169,7 +169,8 @@ def worker_ours(args) -> dict:
     prefill()
     return {"decode": decode(1), "prefill": max(prefill() for _ in range(2)), "batch8": decode(8),
             "decode_long": decode(1, args.long_prompt),
-            "kv_bytes": torch.empty((), dtype=model.kv_dtype).element_size()}  # kv_dtype "auto" chose this
+            # the decode steps' cache, as kv_dtype "auto" chose it (a compiled step's apart)
+            "kv_bytes": torch.empty((), dtype=cache_dtype(model, bool(args.compile))).element_size()}
 
 
 def worker_hf(args) -> dict:
