@@ -274,9 +274,9 @@ def quality_ours(args) -> dict:
         @torch.inference_mode()
         def logprobs(ids: np.ndarray) -> np.ndarray:
             x = torch.from_numpy(ids).view(1, -1)
-            # A prefill into the KV cache generation uses (its dtype as kv_dtype "auto" chooses), as
-            # llama.cpp's logits come from its own cache.
-            cache = KVCache.for_model(model, 1, x.size(1))
+            # A prefill into the KV cache generation uses (its dtype as kv_dtype "auto" chooses for the
+            # eager or the compiled step), as llama.cpp's logits come from its own cache.
+            cache = KVCache.for_model(model, 1, x.size(1), compiled=compiled)
             if not compiled:
                 logits = model(x, cache=cache)[0]
             else:  # the first token's logits from a 1-token prefill, then each next one through the compiled step
