@@ -1087,7 +1087,7 @@ def kv_cache_dtype(model, compiled: bool = False) -> tuple[torch.dtype, str]:
     the very keys and values a float32 one would, in half the bytes. Whether attending over it is faster
     depends on the CPU and on the step: PyTorch's eager bf16 SDPA (one query, 8 x 256 keys) runs 2x faster
     than its float32 one on an Intel Xeon with AMX, and per token 2.5x slower on an AMD EPYC Zen 4, where a
-    compiled step's attention over a bf16 cache is 1.7x faster than over a float32 one (BENCHMARKS.md). So
+    compiled step's attention over a bf16 cache is 1.6-1.9x faster than over a float32 one (BENCHMARKS.md). So
     each is timed once per machine (attention.json beside the kernel cache)."""
     from gpt2.quantize import keys_are_bf16
     if model.transformer.wte.weight.device.type != "cpu":
