@@ -1222,7 +1222,7 @@ def quantized_copy(model, precision: str):
         copy = GPT(model.config, vocab_multiple=model.padded_vocab_size)  # the same padded rows
     copy.load_state_dict(state, strict=True, assign=True)
     copy.kv_dtype = getattr(model, "kv_dtype", None)  # a self-draft's caches as the target's
-    copy.compiled_kv_dtype = getattr(model, "compiled_kv_dtype", None)
+    copy.compiled_kv_dtype = getattr(model, "compiled_kv_dtype", None)  # "auto": chosen for the copy's own keys
     del state  # the packed copies replace them one linear at a time
     return apply_plan(copy, plan_for(copy, precision))
 
