@@ -2031,8 +2031,9 @@ def test_info_kernels_shows_the_kv_dtype_load_for_inference_takes(tmp_path, monk
     from gpt2.quantize import load_for_inference
     save_hf_model(tmp_path / "m", n_embd=64, n_head=4)  # int4 groups of 32 along n_embd
     precisions = ["int4", "bfloat16", "float32", "int8"]
+    monkeypatch.setattr(kernels, "default_cache_path", lambda: tmp_path / "cache" / "kernels.json")
     for costs in ({"float32": 2.0, "bfloat16": 1.0}, {"float32": 1.0, "bfloat16": 2.0}):  # bf16 faster, slower
-        monkeypatch.setattr(kernels, "default_cache_path", lambda: tmp_path / str(costs) / "kernels.json")
+        (tmp_path / "cache" / "attention.json").unlink(missing_ok=True)  # measured again; the plans kept
         monkeypatch.setattr(kernels, "measure_kv_dtypes", lambda *shape: dict(costs))
         # a compiled step's attention the other way round (an AMD EPYC Zen 4's case)
         monkeypatch.setattr(kernels, "measure_compiled_kv_dtypes",
