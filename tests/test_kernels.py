@@ -263,7 +263,9 @@ def test_int4pack_dequantize_reads_the_kernels_own_layout_exactly():
     """The bf16 weight read back from _weight_int4pack_mm_for_cpu's packed form is (q - 8) s + z of
     every element (computed independently here), and the kernel's own product with the identity
     agrees with it: the layout assumption is the kernel's. Read back in float32 ("dequant fp32"), it is
-    (q - 8) s + z within one float32 rounding: (q - 8) s, a 4-bit integer times a bf16, is exact."""
+    (q - 8) s + z within one float32 rounding: (q - 8) s, a 4-bit integer times a bf16, is exact. Written
+    into a (K, N) buffer (out=, as the dequant paths call it: from a buffer of levels the thread keeps), it
+    is the same weight bit for bit, twice over (the levels' buffer reused)."""
     from gpt2.quantize import int4pack_dequantize
     torch.manual_seed(0)
     N, K = 192, 128
@@ -278,6 +280,11 @@ def test_int4pack_dequantize_reads_the_kernels_own_layout_exactly():
     assert back32.dtype == torch.float32
     exact = dequantized("int4", w)
     assert ((back32.double() - exact).abs() <= 2 ** -24 * exact.abs()).all()
+    for dtype, whole in ((torch.bfloat16, back), (torch.float32, back32)):
+        for _ in range(2):
+            buffer = torch.full((K, whole.size(0)), float("nan"), dtype=dtype)
+            into = int4pack_dequantize(t["int4pack"], t["scales_zeros_padded"], dtype, out=buffer)
+            assert into.data_ptr() == buffer.data_ptr() and torch.equal(into, whole)
     eye = torch.eye(K, dtype=torch.bfloat16)
     kernel_view = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, t["int4pack"], INT4_GROUP, t["scales_zeros_padded"])
     torch.testing.assert_close(kernel_view.t().double(), back.double(), rtol=2 ** -8, atol=1e-6)

@@ -80,7 +80,7 @@ from gpt2.quantize import (CPU_FORMATS, KV_DTYPES, REGIMES, WEIGHT_BYTES, Weight
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 19 # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
+CACHE_VERSION = 20 # 2: decode copies own their storage (version 1 timed float32 plain cache-hot); 3: "long";
                    # 4: the bf16 oneDNN format keeps only its packed weight (no float32-GEMM path);
                    # 5: entries keyed by the layer's own precision (int4 and int8 plans share the int8 lm_head);
                    # 6: int4's "dequant bf16" writes a (K, N) weight and fuses bias and GELU; paths cast their
@@ -99,7 +99,8 @@ CACHE_VERSION = 19 # 2: decode copies own their storage (version 1 timed float32
                    # skipped at prefill is still timed at long where short shows it may win there (_may_win);
                    # 18: int4's dequant paths multiply the whole weight in one GEMM (quantize._dequant_buffer);
                    # 19: a combined format's parts slower at decode are timed at every regime after it, not
-                   # at batch only (_parts_to_time)
+                   # at batch only (_parts_to_time); 20: int4's dequant paths write q - 8 into a buffer the
+                   # thread keeps (quantize._levels_into)
 # The files cached_measurement keeps (training.json, lm_head.json, cpu_cache.json) carry their own version:
 # a change to the kernel plans above leaves them valid.
 MEASUREMENT_CACHE_VERSION = 5

@@ -586,6 +586,17 @@ def _nibbles_in_row_order(blocks: torch.Tensor, order: str) -> torch.Tensor:
     return torch.stack((blocks & 15, blocks >> 4), dim=-1).flatten(-2)
 
 
+def _levels_into(blocks: torch.Tensor, order: str, out: torch.Tensor) -> torch.Tensor:
+    """_nibbles_in_row_order(blocks, order) - 8, written into out (..., block) of a float dtype: each copy_
+    casts as it writes, into memory that is already there (no fresh uint8 and bf16 tensors, which page-fault
+    on every call). Exact: q - 8 in [-8, 7]."""
+    half = blocks.size(-1)
+    low, high = (out[..., :half], out[..., half:]) if order == "halves" else (out[..., 0::2], out[..., 1::2])
+    low.copy_(blocks & 15)
+    high.copy_(blocks >> 4)
+    return out.sub_(8)
+
+
 def int4pack_dequantize(packed: torch.Tensor, scales_zeros: torch.Tensor,
                         dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
     """The weight (N, K) that _weight_int4pack_mm_for_cpu computes with, from its own packed form: in
@@ -609,14 +620,16 @@ def int4pack_dequantize(packed: torch.Tensor, scales_zeros: torch.Tensor,
         raise RuntimeError(f"the CPU int4 packing is read in blocks of {block} rows; {N} rows are not")
     G = scales_zeros.size(0)
     blocks = packed.view(N // block, G, K // G, block // 2)
-    q = _nibbles_in_row_order(blocks, order).to(dtype).sub_(8)  # (N/block, G, K/G, block): q - 8, exact
     by_block = scales_zeros.to(dtype).reshape(G, N // block, block, 2).transpose(0, 1)  # (N/block, G, block, 2)
     scale = by_block[..., 0].unsqueeze(2).contiguous()  # (N/block, G, 1, block)
     zero = by_block[..., 1].unsqueeze(2).contiguous()
     if out is None:  # a new tensor, computed without out= (a traced graph mutates none of its views)
+        q = _nibbles_in_row_order(blocks, order).to(dtype).sub_(8)  # (N/block, G, K/G, block): q - 8, exact
         w = torch.addcmul(zero, q, scale)  # (q - 8) s + z, rounded once to dtype: (N/block, G, K/G, block)
         return w.view(N // block, K, block).permute(1, 0, 2).reshape(K, N).t()  # (N, K), strides (1, N)
-    # the same, element [n/block, k/(K/G), k % (K/G), n % block] written straight to out[k, n]
+    # the same, element [n/block, k/(K/G), k % (K/G), n % block] written straight to out[k, n], from q - 8 in
+    # a buffer this thread keeps: 1.7x faster a 2304x768 weight than the tensors above (BENCHMARKS.md)
+    q = _levels_into(blocks, order, _dequant_buffer(N * K, dtype, "levels").view(N // block, G, K // G, block))
     torch.addcmul(zero, q, scale, out=out.view(G, K // G, N // block, block).permute(2, 0, 1, 3))
     return out.t()
 
@@ -628,20 +641,21 @@ def int4pack_dequantize(packed: torch.Tensor, scales_zeros: torch.Tensor,
 # faster than a float32 GEMM per block of 786K weights (2304x768: 10.9 against 12.9 ms; 768x3072: 16.1
 # against 20.3), which had been the fastest block there when each block's weight was a fresh allocation.
 DEQUANT_BLOCK = {torch.bfloat16: 1 << 22, torch.float32: 3 << 18}
-_dequant_buffers = threading.local()  # dtype -> the largest (K * N) buffer this thread's calls have needed
+_dequant_buffers = threading.local()  # (use, dtype) -> the largest buffer this thread's calls have needed
 
 
-def _dequant_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+def _dequant_buffer(numel: int, dtype: torch.dtype, use: str = "weight") -> torch.Tensor:
     """A flat buffer of at least numel elements of dtype, this thread's own, kept for its next calls:
     a prefill dequantizes into it layer after layer without allocating (largest layer: 9.4 MB for 124M's
-    float32 weights, 41 MB for gpt2-xl's). One a thread: the server's and a draft's threads never share."""
-    buffers = getattr(_dequant_buffers, "by_dtype", None)
+    float32 weights, 41 MB for gpt2-xl's). use: "weight" (the (K, N) weight a GEMM reads) or "levels"
+    (a block's q - 8, int4pack_dequantize). One a thread: the server's and a draft's threads never share."""
+    buffers = getattr(_dequant_buffers, "by_use", None)
     if buffers is None:
-        buffers = _dequant_buffers.by_dtype = {}
-    buffer = buffers.get(dtype)
+        buffers = _dequant_buffers.by_use = {}
+    buffer = buffers.get((use, dtype))
     if buffer is None or buffer.numel() < numel:
         with torch.inference_mode(False):  # a normal tensor: written in place in or out of inference mode
-            buffer = buffers[dtype] = torch.empty(numel, dtype=dtype)
+            buffer = buffers[(use, dtype)] = torch.empty(numel, dtype=dtype)
     return buffer[:numel]
 
 
