@@ -99,8 +99,8 @@ CACHE_VERSION = 20 # 2: decode copies own their storage (version 1 timed float32
                    # skipped at prefill is still timed at long where short shows it may win there (_may_win);
                    # 18: int4's dequant paths multiply the whole weight in one GEMM (quantize._dequant_buffer);
                    # 19: a combined format's parts slower at decode are timed at every regime after it, not
-                   # at batch only (_parts_to_time); 20: int4's dequant paths write q - 8 into a buffer the
-                   # thread keeps (quantize._levels_into)
+                   # at batch only (_parts_to_time); 20: int4's dequant paths write q - 8 in the weight's
+                   # (K, N) order into a buffer the thread keeps (quantize._levels_in_k_order)
 # The files cached_measurement keeps (training.json, lm_head.json, cpu_cache.json) carry their own version:
 # a change to the kernel plans above leaves them valid.
 MEASUREMENT_CACHE_VERSION = 5
