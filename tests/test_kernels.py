@@ -537,9 +537,7 @@ def test_int4_dequant_paths_export_for_a_packaged_step_of_many_rows(path):
         compiled = torch.compile(layer, fullgraph=True)(x)  # the engine's fallback: the layout read as a constant
     for y in (traced, compiled):
         assert y.dtype == eager.dtype
-        # bf16 outputs, two roundings apart: eagerly oneDNN rounds once after its fused GELU; the traced
-        # graph rounds the GEMM's output, then the GELU's (one element 2 ulps apart with int4's w^2 search)
-        torch.testing.assert_close(y.float(), eager.float(), rtol=2 ** -6, atol=1e-3)
+        torch.testing.assert_close(y.float(), eager.float(), rtol=2 ** -7, atol=1e-3)  # bf16 outputs
 
 
 def test_int4_pads_an_output_width_that_is_not_a_multiple_of_16():
