@@ -136,10 +136,9 @@ def _int4_min_max_groups(w: torch.Tensor) -> torch.Tensor:
 
 def test_int4_groups_search_their_levels_and_round_to_the_nearest():
     """Each weight sits at its nearest level of its group (within half a step, where it lies among the
-    levels); no group's w^2-weighted squared error exceeds the plain [min, max] levels' (the search
-    includes them) beyond the rounding of s and z to bf16, and over Gaussian weights the search lowers it
-    below 0.82x (0.79x; the |w|-weighted search gave 0.83x on its own measure) and the plain squared
-    error below 0.95x (0.92x). Rows are quantized on their own."""
+    levels); no group's |w|-weighted squared error exceeds the plain [min, max] levels' (the search
+    includes them), and over Gaussian weights the search lowers it below 0.86x (the unweighted search
+    gave 0.91x) and the plain squared error below 0.9x. Rows are quantized on their own."""
     torch.manual_seed(0)
     w = torch.randn(40, 4 * INT4_GROUP) * torch.linspace(0.01, 3, 40)[:, None]
     q, sz = quantize_int4_groups(w)
@@ -149,16 +148,16 @@ def test_int4_groups_search_their_levels_and_round_to_the_nearest():
     exact = (q.double() - 8) * step + zero
     among_levels = ((w.double() - zero) / step + 8 - 7.5).abs() <= 8  # within [-0.5, 15.5] levels
     assert ((exact - w).abs() <= step / 2 * (1 + 1e-6))[among_levels].all()
-    searched = (w.pow(2) * (exact - w).pow(2)).view(40, 4, INT4_GROUP).sum(-1)
-    plain = (w.pow(2) * (_int4_min_max_groups(w) - w).pow(2)).view(40, 4, INT4_GROUP).sum(-1)
-    assert (searched <= plain * 1.02).all()  # 2%: s and z rounded to bf16 (1.2% at most here)
+    searched = (w.abs() * (exact - w).pow(2)).view(40, 4, INT4_GROUP).sum(-1)
+    plain = (w.abs() * (_int4_min_max_groups(w) - w).pow(2)).view(40, 4, INT4_GROUP).sum(-1)
+    assert (searched <= plain * 1.01).all()  # 1%: s and z rounded to bf16
     gaussian = torch.randn(256, 768) * 0.02
     q, sz = quantize_int4_groups(gaussian)
     s, z = (sz[..., i].t().double().repeat_interleave(INT4_GROUP, dim=1) for i in (0, 1))
     error, min_max_error = (q.double() - 8) * s + z - gaussian, _int4_min_max_groups(gaussian) - gaussian
-    weighted = (gaussian.pow(2) * error.pow(2)).sum() / (gaussian.pow(2) * min_max_error.pow(2)).sum()
-    assert weighted < 0.82, weighted
-    assert error.pow(2).sum() / min_max_error.pow(2).sum() < 0.95
+    weighted = (gaussian.abs() * error.pow(2)).sum() / (gaussian.abs() * min_max_error.pow(2)).sum()
+    assert weighted < 0.86, weighted
+    assert error.pow(2).sum() / min_max_error.pow(2).sum() < 0.9
     q_rows, sz_rows = quantize_int4_groups(gaussian[100:103])
     assert q_rows.equal(q[100:103]) and sz_rows.equal(sz[:, 100:103])
 

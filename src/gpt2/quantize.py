@@ -30,7 +30,7 @@ functions (x (M, K), tensors) -> y (M, N). Every path of a format computes with 
               where u8s8 saturates at 8 bits (AVX2 without VNNI): fbgemm's GEMM at 7 bits, x quantized per
               row to 14 bits in two 7-bit halves, rows of one call ("u8s8 14-bit per row", _int8_split)
   int4      per group of 32 along K, w = (q - 8) * s + z (asymmetric, PyTorch's tinygemm convention; s and
-            z searched per group for the least w^2-weighted squared error, the result cached on disk):
+            z searched per group for the least |w|-weighted squared error, the result cached on disk):
               _weight_int4pack_mm_for_cpu (bf16 activations) on CPU, or for long prefills its packed
               weight dequantized to bf16 or float32 once per call, a block of rows at a time, for GEMMs;
               elsewhere the nibbles are dequantized for a bf16 GEMM
@@ -107,9 +107,7 @@ def row_blocks(t: torch.Tensor, elements: int = 1 << 20) -> list[slice]:
 # weights: three quickstart models' block KL divergence from float32 by -7% to +7%. Each weight's error
 # weighted by its |w| (k-quants weight by rms + |w| without an importance matrix): a large weight's error
 # moves the outputs more: block KL 2-15% below [min, max]'s, 1-16% below the plain search's and 9-36% below
-# llama.cpp's Q4_0 on all three, val and train (BENCHMARKS.md, int4_error_anatomy.py). Weighted by w^2, more
-# so: on two models trained on an AMD EPYC Zen 4, block KL 19% and 13% below the |w| search's, and the
-# perplexity increase lower on both (BENCHMARKS.md, "int4's dequantization in the weight's order"). ~13 ns a weight at load
+# llama.cpp's Q4_0 on all three, val and train (BENCHMARKS.md, int4_error_anatomy.py). ~13 ns a weight at load
 # (GPT-2 124M 0.6 -> 2.5 s, gpt2-xl ~12 -> 32-49 s), paid once per weight: the result is cached (below).
 INT4_SPANS = torch.linspace(0.85, 1.15, 7).tolist()
 INT4_SEARCH_BLOCK = 1 << 18  # weights searched at a time
@@ -120,7 +118,7 @@ def quantize_int4_groups(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torc
 
     Per group, 16 levels s L + m (L = 0..15): for each span of INT4_SPANS, the levels are laid from the
     group's min over that fraction of its range, each weight takes its nearest, and (s, m) is refitted by
-    least squares to the levels taken, each weight's squared error weighted by w^2; the fit of least
+    least squares to the levels taken, each weight's squared error weighted by |w|; the fit of least
     weighted error is kept. s and z = m + 8 s are
     rounded to bf16 (what the kernels read) before each weight is rounded to its nearest level. Each row is
     quantized on its own: the same rows give the same q and scales_zeros in any batch of rows.
@@ -139,8 +137,8 @@ def _int4_search(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """g (n, K/group, group) float32 -> q (n, K) int32, scales_zeros (K/group, n, 2): quantize_int4_groups."""
     lo = g.amin(-1, keepdim=True)  # (n, K/group, 1)
     span = (g.amax(-1, keepdim=True) - lo).clamp_(min=1e-12)
-    # Each weight's squared error counts w^2 times (above INT4_SPANS): the fit favours the large weights.
-    importance = (g * g).add_(span * span * 1e-6)  # (n, K/group, group), > 0 so every group has weight
+    # Each weight's squared error counts |w| times (above INT4_SPANS): the fit favours the large weights.
+    importance = g.abs().add_(span * 1e-6)  # (n, K/group, group), > 0 so every group has weight
     sum_c = importance.sum(-1, keepdim=True)
     sum_cw = torch.linalg.vecdot(importance, g).unsqueeze(-1)
     unit = (g - lo).div_(span)  # each weight's place in its group's [min, max], in [0, 1]
